@@ -89,7 +89,7 @@ class RolloutBatch:
         return input_ids, attention_mask
 
 
-def _pad_to(tensor: torch.Tensor, length: int, value: float, left: bool) -> torch.Tensor:
+def pad_to(tensor: torch.Tensor, length: int, value: float, left: bool) -> torch.Tensor:
     missing = length - tensor.shape[1]
     if missing == 0:
         return tensor
@@ -110,11 +110,11 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
     prompt_len = max(b.prompt_ids.shape[1] for b in batches)
     response_len = max(b.response_ids.shape[1] for b in batches)
     padded = {
-        "prompt_ids": [_pad_to(b.prompt_ids, prompt_len, pad_token_id, left=True) for b in batches],
-        "prompt_mask": [_pad_to(b.prompt_mask, prompt_len, 0, left=True) for b in batches],
-        "response_ids": [_pad_to(b.response_ids, response_len, pad_token_id, left=False) for b in batches],
-        "response_mask": [_pad_to(b.response_mask, response_len, 0, left=False) for b in batches],
-        "behaviour_logprobs": [_pad_to(b.behaviour_logprobs, response_len, 0.0, left=False) for b in batches],
+        "prompt_ids": [pad_to(b.prompt_ids, prompt_len, pad_token_id, left=True) for b in batches],
+        "prompt_mask": [pad_to(b.prompt_mask, prompt_len, 0, left=True) for b in batches],
+        "response_ids": [pad_to(b.response_ids, response_len, pad_token_id, left=False) for b in batches],
+        "response_mask": [pad_to(b.response_mask, response_len, 0, left=False) for b in batches],
+        "behaviour_logprobs": [pad_to(b.behaviour_logprobs, response_len, 0.0, left=False) for b in batches],
     }
     tensors = {name: torch.cat(parts) for name, parts in padded.items()}
     for name in ("rewards", "answer_correct", "loss_mask", "truncated"):

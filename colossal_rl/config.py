@@ -55,7 +55,7 @@ class DataConfig:
     """(task name, jsonl path) pairs evaluated before training and every ``run.eval_interval`` steps."""
     system_prompt: str | None = None
     """System prompt prepended to every prompt; None uses the reward type's default."""
-    max_prompt_tokens: int = 64
+    max_prompt_tokens: int = 512
     """Prompts longer than this (in tokens, after the chat template) are refused at load time."""
     seed: int = 42
     """Seed of the per-episode shuffle of the training prompts."""
@@ -73,7 +73,7 @@ class GenerationConfig:
     """Top-k sampling; None disables it."""
     top_p: float = 1.0
     """Nucleus sampling threshold; 1.0 disables it."""
-    max_new_tokens: int = 12
+    max_new_tokens: int = 16
     """Maximum response length in tokens."""
     microbatch_size: int = 16
     """Prompts generated together in one call of the backend (ColossalChat's -imbs)."""

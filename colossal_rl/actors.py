@@ -1,0 +1,200 @@
+"""Thin Ray shells over the plain classes: the only place actors are defined.
+
+Each shell moves data between Ray (object store, other actors) and its plain class, and
+puts a timeout on every wait. No algorithm logic here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+import ray
+import torch
+
+from colossal_rl.batch import RolloutBatch, concat_batches
+from colossal_rl.comm.buffer import Assignment, RoundBuffer
+from colossal_rl.config import RLConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _configure_worker(num_threads: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(max(1, num_threads))
+
+
+def node_address() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+@ray.remote
+class BufferActor:
+    """Async actor: ``take`` waits (with a timeout) until a round is complete without blocking ``put``."""
+
+    def __init__(self, *, num_producers: int, dp_size: int, groups_per_step: int, n_behind: int):
+        self._buffer = RoundBuffer(
+            num_producers=num_producers, dp_size=dp_size, groups_per_step=groups_per_step, n_behind=n_behind
+        )
+        self._changed: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def put(self, round_index: int, producer_rank: int, payload: list, num_groups: int, version: int) -> None:
+        self._buffer.put(round_index, producer_rank, payload[0] if payload else None, num_groups, version)
+        async with self._condition():
+            self._condition().notify_all()
+
+    async def take(self, round_index: int, dp_rank: int, trainer_version: int, timeout_s: float) -> Assignment:
+        condition = self._condition()
+        async with condition:
+            try:
+                await asyncio.wait_for(condition.wait_for(lambda: self._buffer.is_complete(round_index)), timeout_s)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"buffer: round {round_index} incomplete after {timeout_s:.0f}s (a producer is late or dead)"
+                ) from None
+        return self._buffer.take(round_index, dp_rank, trainer_version)
+
+    async def stats(self) -> dict[str, int]:
+        return {"dropped_stale_groups": self._buffer.dropped_stale_groups, "pooled_groups": self._buffer.pooled_groups()}
+
+
+def assemble_steps(assignment: Assignment, groups_per_step: int, pad_token_id: int) -> list[RolloutBatch]:
+    """Fetch the payloads of an assignment and cut them into one batch per optimizer step."""
+    unique = {id(g.payload): g.payload for g in assignment.groups}
+    fetched = dict(zip(unique, ray.get(list(unique.values())), strict=True))
+    steps = []
+    for step in range(assignment.num_steps):
+        groups = assignment.groups[step * groups_per_step : (step + 1) * groups_per_step]
+        parts = [fetched[id(g.payload)].select_groups([g.group_index]) for g in groups]
+        steps.append(concat_batches(parts, pad_token_id))
+    return steps
+
+
+@ray.remote
+class ProducerActor:
+    def __init__(self, rank: int, config: RLConfig, num_threads: int = 1):
+        _configure_worker(num_threads)
+        from colossal_rl.reward import build_reward_scorer
+        from colossal_rl.rollout.producer import Producer
+
+        reward = config.reward
+        scorer = build_reward_scorer(
+            reward_type=reward.reward_type, code_verifier_url=reward.code_verifier_url, reward_fn=reward.reward_fn
+        )
+        self.rank = rank
+        self.config = config
+        self.producer = Producer(rank, config, scorer)
+        self.receiver = None
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def join_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        from colossal_rl.comm.weight_sync import join_as_receiver
+
+        self.receiver = join_as_receiver(
+            host=host, port=port, rank=self.rank + 1, world_size=world_size, timeout_s=self.config.run.timeout_s
+        )
+
+    def receive_weights(self, version: int) -> None:
+        received_version, tensors = self.receiver.receive()
+        if received_version != version:
+            raise RuntimeError(f"producer {self.rank}: expected weights version {version}, got {received_version}")
+        self.producer.load_weights(received_version, tensors)
+
+    def produce(self, round_index: int, buffer) -> dict[str, float]:
+        batch, metrics = self.producer.produce(round_index)
+        payload = [ray.put(batch)] if batch is not None else []
+        groups = batch.num_groups if batch is not None else 0
+        ray.get(
+            buffer.put.remote(round_index, self.rank, payload, groups, self.producer.policy_version),
+            timeout=self.config.run.timeout_s,
+        )
+        metrics["rollout/policy_version"] = self.producer.policy_version
+        return metrics
+
+    def evaluate(self):
+        return self.producer.evaluate(self.config.schedule.num_producers)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return self.producer.backend.named_weights()
+
+    def shutdown(self) -> None:
+        self.producer.reward_scorer.close()
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+@ray.remote
+class TrainerActor:
+    def __init__(self, rank: int, world_size: int, config: RLConfig, master_addr: str, master_port: int, num_threads=1):
+        _configure_worker(num_threads)
+        from colossal_rl.training.trainer import Trainer
+
+        self.config = config
+        self.trainer = Trainer(rank, world_size, config, master_addr, master_port)
+        self.sender = None
+
+    def setup(self) -> dict:
+        self.trainer.setup()
+        return {"rank": self.trainer.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        return node_address(), free_port()
+
+    def setup_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        """Every rank takes part in gathering the weights; the rank that holds them hosts the group."""
+        from colossal_rl.comm.weight_sync import host_as_sender
+
+        state = self.trainer.full_state_dict()
+        if state is not None:
+            self.sender = host_as_sender(
+                host=host, port=port, world_size=world_size, state_dict=state, timeout_s=self.config.run.timeout_s
+            )
+
+    def train_round(self, round_index: int, buffer) -> dict:
+        timeout = self.config.run.timeout_s
+        assignment = ray.get(
+            buffer.take.remote(round_index, self.trainer.dp_rank, round_index, timeout), timeout=timeout + 10
+        )
+        steps = assemble_steps(assignment, self.config.train.batch_size, self.trainer.pad_token_id)
+        step_metrics = [self.trainer.train_step(batch) | self._batch_metrics(batch) for batch in steps]
+        return {
+            "round": round_index,
+            "steps": step_metrics,
+            "dropped_stale_groups": assignment.dropped_stale_groups,
+            "carried_over_groups": assignment.carried_over_groups,
+        }
+
+    def _batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        return {
+            "train/reward": float(batch.rewards.mean()),
+            "train/accuracy": float(batch.answer_correct.mean()),
+            "train/staleness": float(self.trainer.step_version - batch.policy_version),
+        }
+
+    def push_weights(self, version: int) -> None:
+        state = self.trainer.full_state_dict()
+        if self.sender is not None:
+            self.sender.send(state, version)
+        self.trainer.step_version = version
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.trainer.full_state_dict()
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

@@ -1,0 +1,38 @@
+"""All distributed I/O: standalone collective groups, weight sync, the rollout buffer.
+
+Importing this package pulls in torch only (no Ray, no ColossalAI).
+"""
+
+from colossal_rl.comm.process_group import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    StandaloneGroup,
+    create_standalone_group,
+    find_free_port,
+)
+from colossal_rl.comm.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    WeightLayout,
+    WeightReceiver,
+    WeightSender,
+    exchange_layout,
+    host_as_sender,
+    join_as_receiver,
+    merge_stage_parts,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "StandaloneGroup",
+    "WeightLayout",
+    "WeightReceiver",
+    "WeightSender",
+    "create_standalone_group",
+    "exchange_layout",
+    "find_free_port",
+    "host_as_sender",
+    "join_as_receiver",
+    "merge_stage_parts",
+]

@@ -1,0 +1,181 @@
+"""Standalone collective groups that never touch torch.distributed's default process group.
+
+A trainer already runs ColossalAI on the default group; a weight-sync group with the producers
+must not join, replace or split that group (Ray's gloo collectives do, silently giving the group
+the wrong members). So a ``StandaloneGroup`` is a torch ``ProcessGroup`` built directly over its
+own ``TCPStore`` — rank 0 hosts the store, every other member connects to ``host:port`` — and is
+never registered with ``init_process_group``/``new_group``. Several such groups (for example one
+per pipeline stage) can live in one process, each with its own store or a shared store under
+different names.
+
+Every collective waits at most ``timeout_s``: a member that never joins or never enters a
+collective makes the others raise ``CollectiveTimeoutError`` rather than hang; a member that dies
+makes them raise ``CollectiveError``. After either, the group is unusable: destroy it and build a
+new one.
+
+This module holds no model or weight logic (that is ``weight_sync.py``) and imports no Ray.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["gloo", "nccl"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective of a standalone group failed (typically a member died); the group is unusable."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A standalone group could not form, or one of its collectives did not finish, in time."""
+
+
+def find_free_port() -> int:
+    """A TCP port that was free a moment ago (another process may still take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class PendingCollective:
+    """An asynchronous collective; ``wait()`` blocks at most the group's timeout."""
+
+    def __init__(self, work: dist.Work, group: StandaloneGroup, what: str):
+        self._work = work
+        self._group = group
+        self._what = what
+
+    def wait(self) -> None:
+        self._group.wait(self._work, self._what)
+
+
+class StandaloneGroup:
+    """A process group of ``world_size`` members identified by ``name``; see the module docstring."""
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup,
+        store: dist.Store,
+        *,
+        backend: Backend,
+        name: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+    ):
+        self._process_group: dist.ProcessGroup | None = process_group
+        self.store = store  # prefixed with the group's name; usable for small one-off exchanges
+        self.backend = backend
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return f"StandaloneGroup({self.name!r}, backend={self.backend}, rank={self.rank}/{self.world_size})"
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        if self._process_group is None:
+            raise RuntimeError(f"{self!r} was destroyed")
+        return self._process_group
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast ``tensor`` in place from member ``src``, waiting at most the group's timeout."""
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingCollective:
+        """Start a broadcast; keep ``tensor`` untouched until the returned handle's ``wait()``."""
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        work = self.process_group.broadcast([tensor], options)
+        return PendingCollective(work, self, f"broadcast of {tensor.numel()} x {tensor.dtype} from {src}")
+
+    def barrier(self) -> None:
+        if self.backend == "gloo":
+            work = self.process_group.barrier()
+        else:  # NCCL's barrier picks a device from global state; an all-reduce of one element needs none.
+            work = self.process_group.allreduce([torch.zeros(1, device="cuda")])
+        self.wait(work, "barrier")
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                raise CollectiveTimeoutError(
+                    f"{self!r}: {what} did not finish within {self.timeout_s:.1f}s "
+                    "(a member is dead, slow, or not calling the same collective); destroy this group"
+                ) from error
+            raise CollectiveError(f"{self!r}: {what} failed ({error}); a member probably died") from error
+
+    def destroy(self) -> None:
+        """Drop the process group and the store (rank 0 closes the store's server). Idempotent."""
+        self._process_group = None
+        self.store = None  # type: ignore[assignment]
+
+
+def create_standalone_group(
+    backend: Backend,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    timeout_s: float,
+    *,
+    name: str = "weight_sync",
+    store: dist.Store | None = None,
+) -> StandaloneGroup:
+    """Form a group of ``world_size`` members; every member calls this concurrently.
+
+    Rank 0 hosts a ``TCPStore`` on ``port`` (its ``host`` is the address the others connect to);
+    pass ``store`` instead to share one store among several groups, which then need distinct
+    ``name``s. Blocks until all members have joined, at most ``timeout_s`` seconds. For nccl the
+    caller must have set the CUDA device first.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        group_store = dist.PrefixStore(f"colossal_rl/{name}", store)
+        process_group = _make_process_group(backend, group_store, rank, world_size, timeout)
+    except dist.DistStoreError as error:
+        raise CollectiveTimeoutError(
+            f"group {name!r} ({backend}, {host}:{port}): rank {rank} could not gather all {world_size} members "
+            f"within {timeout_s:.1f}s"
+        ) from error
+    logger.info("joined standalone %s group %r as rank %d/%d via %s:%d", backend, name, rank, world_size, host, port)
+    return StandaloneGroup(
+        process_group,
+        group_store,
+        backend=backend,
+        name=name,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+    )
+
+
+def _make_process_group(
+    backend: Backend, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
+    if backend == "gloo":
+        # gloo enforces this timeout on every operation itself, independently of Work.wait's.
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":  # Written for GPU machines; cannot run on the CPU-only CI.
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")

@@ -1,0 +1,413 @@
+"""Bucketed broadcast of a full state dict from one trainer rank to every producer.
+
+Setup, once per run: the sender (rank 0 of a ``StandaloneGroup``) describes its state dict as a
+``WeightLayout`` — ordered (name, shape, dtype) — and broadcasts it with the bucket size
+(``exchange_layout``). Both sides then cut the layout into the same buckets: contiguous byte
+buffers of at most ``bucket_bytes`` holding many tensors each; a larger tensor gets a bucket of
+its own, broadcast in ``bucket_bytes`` pieces. Tensors travel as raw bytes, so one bucket mixes
+dtypes and bf16 is never converted.
+
+Each sync: one int64 header ``[version, plan checksum]``, then one broadcast per bucket (piece).
+The sender packs bucket ``i + 1`` while bucket ``i`` is on the wire (two staging buffers) and sends
+a lone contiguous tensor without copying it; receivers receive straight into buffers allocated
+once, and return ``name -> tensor`` views into them.
+
+With pipeline parallelism each stage sends its own keys over its own group (distinct ``name``);
+producers merge the parts with ``merge_stage_parts``. Nothing here knows about models or Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from colossal_rl.comm.process_group import Backend, PendingCollective, StandaloneGroup, create_standalone_group
+
+logger = logging.getLogger(__name__)
+
+# On gloo over loopback 16 MiB did at least as well as 64 MiB (benchmarks/weight_sync.py): more buckets
+# overlap more packing with sending and pipeline gloo's tree broadcast. NCCL may prefer bigger ones.
+DEFAULT_BUCKET_BYTES = 16 * 2**20
+ALIGNMENT_BYTES = 64  # every tensor starts at a multiple of this inside its bucket, so dtype views are legal
+SENDER_RANK = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * _element_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """The ordered (name, shape, dtype) of every tensor one sender sends; fixed for a run."""
+
+    tensors: tuple[TensorSpec, ...]
+
+    @classmethod
+    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor]) -> WeightLayout:
+        if not state_dict:
+            raise ValueError("cannot build a weight layout from an empty state dict")
+        return cls(tuple(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in state_dict.items()))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(spec.nbytes for spec in self.tensors)
+
+    def to_json(self) -> str:
+        return json.dumps([[s.name, list(s.shape), str(s.dtype).removeprefix("torch.")] for s in self.tensors])
+
+    @classmethod
+    def from_json(cls, text: str) -> WeightLayout:
+        return cls(tuple(TensorSpec(name, tuple(shape), _dtype(dtype)) for name, shape, dtype in json.loads(text)))
+
+    def check(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` naming the first key where ``state_dict`` differs from the layout."""
+        for spec in self.tensors:
+            tensor = state_dict.get(spec.name)
+            if tensor is None:
+                raise ValueError(f"state dict lacks {spec.name!r}, which the weight layout expects")
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise ValueError(
+                    f"{spec.name!r} is {tuple(tensor.shape)} {tensor.dtype} but the weight layout expects "
+                    f"{spec.shape} {spec.dtype}"
+                )
+        if len(state_dict) != len(self.tensors):
+            known = {spec.name for spec in self.tensors}
+            extra = next(name for name in state_dict if name not in known)
+            raise ValueError(f"state dict has {extra!r}, which is not in the weight layout")
+
+
+@dataclass(frozen=True)
+class Slot:
+    spec: TensorSpec
+    offset: int  # bytes from the start of the bucket
+
+
+@dataclass(frozen=True)
+class Bucket:
+    slots: tuple[Slot, ...]
+    nbytes: int
+
+
+def plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[Bucket]:
+    """Cut the layout, in order, into buckets of at most ``bucket_bytes`` (bigger tensors: one bucket each)."""
+    if bucket_bytes < ALIGNMENT_BYTES:
+        raise ValueError(f"bucket_bytes must be at least {ALIGNMENT_BYTES}, got {bucket_bytes}")
+    buckets: list[Bucket] = []
+    slots: list[Slot] = []
+    end = 0
+    for spec in layout.tensors:
+        offset = _align(end)
+        if slots and offset + spec.nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(slots), end))
+            slots, offset = [], 0
+        slots.append(Slot(spec, offset))
+        end = offset + spec.nbytes
+    buckets.append(Bucket(tuple(slots), end))
+    return buckets
+
+
+def chunk_ranges(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges of one collective each: a bucket holding an oversized tensor goes in several pieces."""
+    return [(start, min(start + bucket_bytes, nbytes)) for start in range(0, nbytes, bucket_bytes)]
+
+
+def plan_checksum(layout: WeightLayout, bucket_bytes: int) -> int:
+    """63-bit digest of layout and bucket size: both ends of a sync must cut identical buckets."""
+    digest = hashlib.sha256(f"{bucket_bytes}/{ALIGNMENT_BYTES}/{layout.to_json()}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def pack_bucket(
+    bucket: Bucket, state_dict: Mapping[str, torch.Tensor], out: torch.Tensor, views: list[torch.Tensor] | None = None
+) -> None:
+    """Copy the bucket's tensors into the uint8 buffer ``out`` (at least ``bucket.nbytes`` long).
+
+    ``views``: the bucket's typed views into ``out``, if the caller keeps them (making them costs
+    about as much as copying a few MB).
+    """
+    for slot, view in zip(bucket.slots, views or _views(bucket, out), strict=True):
+        view.copy_(state_dict[slot.spec.name], non_blocking=True)
+
+
+def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``name -> tensor`` views into the uint8 ``buffer`` (no copy)."""
+    return {slot.spec.name: view for slot, view in zip(bucket.slots, _views(bucket, buffer), strict=True)}
+
+
+def merge_stage_parts(parts: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Union of the state-dict parts of several pipeline stages; a key sent by two stages is an error."""
+    merged: dict[str, torch.Tensor] = {}
+    owner: dict[str, int] = {}
+    for stage, part in enumerate(parts):
+        for name, tensor in part.items():
+            if name in merged:
+                raise ValueError(f"{name!r} was sent by pipeline stages {owner[name]} and {stage}")
+            merged[name] = tensor
+            owner[name] = stage
+    return merged
+
+
+class WeightSender:
+    """Rank 0 of ``group``: broadcasts state dicts matching ``layout`` to every other member."""
+
+    def __init__(
+        self,
+        group: StandaloneGroup,
+        layout: WeightLayout,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str = "cpu",
+        pin_memory: bool | None = None,
+    ):
+        if group.rank != SENDER_RANK:
+            raise ValueError(f"the sender must be rank {SENDER_RANK} of {group!r}")
+        self.group = group
+        self.layout = layout
+        self.buckets = plan_buckets(layout, bucket_bytes)
+        self.checksum = plan_checksum(layout, bucket_bytes)
+        self.device = _resolve_device(device)
+        self.pin_memory = _default_pin_memory(self.device) if pin_memory is None else pin_memory
+        self._staging: list[torch.Tensor | None] = [None, None]  # packed bucket i+1 while bucket i is sent
+        self._staging_bytes = max((b.nbytes for b in self.buckets if len(b.slots) > 1), default=0)
+        self._staging_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bucket, staging) -> views
+        self._chunks = [chunk_ranges(bucket.nbytes, bucket_bytes) for bucket in self.buckets]
+        self.last_version: int | None = None
+        logger.info(
+            "%r sends %d tensors, %.1f MB in %d buckets",
+            group, len(layout.tensors), layout.total_bytes / 1e6, len(self.buckets),
+        )  # fmt: skip
+
+    def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Broadcast ``state_dict`` as ``version``; returns once every bucket has left this process."""
+        if self.last_version is not None and version <= self.last_version:
+            raise ValueError(f"weight versions must increase: sent {self.last_version}, now asked to send {version}")
+        self.layout.check(state_dict)  # before the header, so a bad call leaves the group usable
+        header = torch.tensor([version, self.checksum], dtype=torch.int64, device=self.device)
+        in_flight: deque[tuple[int | None, PendingCollective]] = deque(
+            [(None, self.group.broadcast_async(header, SENDER_RANK))]
+        )
+        packed = 0
+        with torch.no_grad():
+            for bucket_index, (bucket, chunks) in enumerate(zip(self.buckets, self._chunks, strict=True)):
+                payload, staging_index = self._direct_payload(bucket, state_dict), None
+                if payload is None:
+                    staging_index = packed % len(self._staging)
+                    while any(index == staging_index for index, _ in in_flight):
+                        in_flight.popleft()[1].wait()
+                    payload = self._pack(bucket_index, state_dict, staging_index)
+                    packed += 1
+                in_flight.extend(
+                    (staging_index, self.group.broadcast_async(payload[start:end], SENDER_RANK))
+                    for start, end in chunks
+                )
+            while in_flight:
+                in_flight.popleft()[1].wait()
+        self.last_version = version
+
+    def _direct_payload(self, bucket: Bucket, state_dict: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """A lone contiguous tensor already on the device is sent as it is, without a copy."""
+        if len(bucket.slots) != 1:
+            return None
+        tensor = state_dict[bucket.slots[0].spec.name]
+        if tensor.numel() == 0 or not tensor.is_contiguous() or tensor.device != self.device:
+            return None
+        return tensor.detach().reshape(-1).view(torch.uint8)
+
+    def _pack(self, bucket_index: int, state_dict: Mapping[str, torch.Tensor], staging_index: int) -> torch.Tensor:
+        bucket = self.buckets[bucket_index]
+        staging = self._staging[staging_index]
+        if staging is None or staging.numel() < bucket.nbytes:
+            staging = _empty_bytes(max(self._staging_bytes, bucket.nbytes), self.device, self.pin_memory)
+            self._staging[staging_index] = staging
+            self._staging_views = {key: v for key, v in self._staging_views.items() if key[1] != staging_index}
+        views = self._staging_views.get((bucket_index, staging_index))
+        if views is None:
+            views = self._staging_views[(bucket_index, staging_index)] = _views(bucket, staging)
+        pack_bucket(bucket, state_dict, staging, views)
+        if self.device.type == "cpu" and any(state_dict[s.spec.name].is_cuda for s in bucket.slots):
+            torch.cuda.current_stream().synchronize()  # the non-blocking device-to-host copies must land first
+        return staging[: bucket.nbytes]
+
+    def close(self) -> None:
+        self.group.destroy()
+
+
+class WeightReceiver:
+    """A non-zero member of ``group``: receives the state dicts the sender broadcasts."""
+
+    def __init__(
+        self,
+        group: StandaloneGroup,
+        layout: WeightLayout,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str = "cpu",
+        pin_memory: bool | None = None,
+    ):
+        if group.rank == SENDER_RANK:
+            raise ValueError(f"rank {SENDER_RANK} of {group!r} is the sender, not a receiver")
+        self.group = group
+        self.layout = layout
+        self.buckets = plan_buckets(layout, bucket_bytes)
+        self.checksum = plan_checksum(layout, bucket_bytes)
+        self.device = _resolve_device(device)
+        pin = _default_pin_memory(self.device) if pin_memory is None else pin_memory
+        # Received into these buffers every sync; the returned tensors are views into them.
+        self._buffers = [_empty_bytes(bucket.nbytes, self.device, pin) for bucket in self.buckets]
+        self._bucket_views = [unpack_bucket(b, buf) for b, buf in zip(self.buckets, self._buffers, strict=True)]
+        self._chunks = [chunk_ranges(bucket.nbytes, bucket_bytes) for bucket in self.buckets]
+        self.last_version: int | None = None
+
+    def receive(
+        self, on_bucket: Callable[[dict[str, torch.Tensor]], None] | None = None
+    ) -> tuple[int, dict[str, torch.Tensor]]:
+        """Wait for the next sync; return its version and ``name -> tensor`` in layout order.
+
+        The tensors are views into buffers the next ``receive`` overwrites: load or copy them first.
+        ``on_bucket`` is called with each bucket's tensors as soon as that bucket has arrived.
+        """
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        self.group.broadcast(header, SENDER_RANK)  # checked before any bucket is posted
+        version, checksum = header.tolist()
+        if checksum != self.checksum:
+            raise RuntimeError(
+                f"{self.group!r}: the sender's weight layout or bucket size differs from this receiver's "
+                f"(checksum {checksum} != {self.checksum}); this group is now out of step, rebuild it"
+            )
+        if self.last_version is not None and version <= self.last_version:
+            raise RuntimeError(f"weight version went from {self.last_version} to {version}; versions must increase")
+        pending = [self._post(index) for index in range(len(self.buckets))]
+        received: dict[str, torch.Tensor] = {}
+        for chunks_pending, views in zip(pending, self._bucket_views, strict=True):
+            for chunk_pending in chunks_pending:
+                chunk_pending.wait()
+            if on_bucket is not None:
+                on_bucket(views)
+            received.update(views)
+        self.last_version = version
+        return version, received
+
+    def _post(self, bucket_index: int) -> list[PendingCollective]:
+        buffer = self._buffers[bucket_index]
+        return [self.group.broadcast_async(buffer[start:end], SENDER_RANK) for start, end in self._chunks[bucket_index]]
+
+    def close(self) -> None:
+        self.group.destroy()
+
+
+def exchange_layout(
+    group: StandaloneGroup, layout: WeightLayout | None, bucket_bytes: int | None = None
+) -> tuple[WeightLayout, int]:
+    """Once per run: the sender passes its layout and bucket size, receivers pass ``None`` and get them."""
+    is_sender = group.rank == SENDER_RANK
+    if is_sender != (layout is not None):
+        raise ValueError("the sender must pass its layout; receivers must pass None")
+    device = "cuda" if group.backend == "nccl" else "cpu"
+    message = torch.empty(0, dtype=torch.uint8)
+    if is_sender:
+        assert layout is not None
+        text = json.dumps({"bucket_bytes": bucket_bytes or DEFAULT_BUCKET_BYTES, "layout": layout.to_json()})
+        message = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(device)
+    length = torch.tensor([message.numel()], dtype=torch.int64, device=device)
+    group.broadcast(length, SENDER_RANK)
+    if not is_sender:
+        message = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    group.broadcast(message, SENDER_RANK)
+    received = json.loads(message.cpu().numpy().tobytes().decode())
+    return WeightLayout.from_json(received["layout"]), int(received["bucket_bytes"])
+
+
+def host_as_sender(
+    *,
+    host: str,
+    port: int,
+    world_size: int,
+    state_dict: Mapping[str, torch.Tensor],
+    timeout_s: float,
+    backend: Backend = "gloo",
+    name: str = "weight_sync",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    device: torch.device | str = "cpu",
+) -> WeightSender:
+    """Host the group's store on ``host:port`` as rank 0 and send ``state_dict``'s layout to the receivers.
+
+    Every receiver calls ``join_as_receiver`` with the same address at the same time.
+    """
+    group = create_standalone_group(backend, SENDER_RANK, world_size, host, port, timeout_s, name=name)
+    layout = WeightLayout.from_state_dict(state_dict)
+    exchange_layout(group, layout, bucket_bytes)
+    return WeightSender(group, layout, bucket_bytes, device)
+
+
+def join_as_receiver(
+    *,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    backend: Backend = "gloo",
+    name: str = "weight_sync",
+    device: torch.device | str = "cpu",
+) -> WeightReceiver:
+    """Join the group hosted by ``host_as_sender`` as ``rank`` (1 .. world_size - 1) and get the layout."""
+    group = create_standalone_group(backend, rank, world_size, host, port, timeout_s, name=name)
+    layout, bucket_bytes = exchange_layout(group, None)
+    return WeightReceiver(group, layout, bucket_bytes, device)
+
+
+def _views(bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:
+    return [
+        buffer[slot.offset : slot.offset + slot.spec.nbytes].view(slot.spec.dtype).view(slot.spec.shape)
+        for slot in bucket.slots
+    ]
+
+
+def _empty_bytes(nbytes: int, device: torch.device, pin_memory: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    """``cuda`` becomes ``cuda:<current>``, so it compares equal to the weights' own device."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _default_pin_memory(device: torch.device) -> bool:
+    """Pinned host buffers only pay off when the weights come from or go to a GPU."""
+    return device.type == "cpu" and torch.cuda.is_available()
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in weight layout")
+    return dtype

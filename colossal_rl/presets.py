@@ -1,0 +1,121 @@
+"""Algorithm presets: vetted ``AlgorithmConfig`` defaults, written as code.
+
+Each preset is a function of the few run facts its defaults depend on (the KL coefficient the user
+asked for, the response budget, the allowed staleness) and returns an ``AlgorithmConfig``; any field can
+be overridden afterwards with ``colossal_rl.config.replace``. ``PRESETS`` is keyed by the names users
+type (``-a GRPO``). Imports no torch.
+"""
+
+from __future__ import annotations
+
+from colossal_rl.algorithms.registry import Registry
+from colossal_rl.config import AlgorithmConfig
+
+PRESETS = Registry("algorithm preset")
+
+TRUNCATED_IS_CAP = 2.0
+"""Cap of the truncated importance weight used whenever producers may run behind the trainers."""
+
+
+def _truncated_is_cap(n_behind: int) -> float | None:
+    # With n_behind == 0 the behaviour policy is the old policy up to numerics: no correction needed.
+    return TRUNCATED_IS_CAP if n_behind > 0 else None
+
+
+@PRESETS.register("GRPO")
+def grpo(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
+    """GRPO (Shao et al. 2024): group-normalised advantages, symmetric clip, per-sample token mean."""
+    return AlgorithmConfig(
+        name="GRPO",
+        advantage_estimator="grpo",
+        policy_loss="clipped",
+        loss_aggregation="sample_level",
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        kl_coeff=kl_coeff,
+        truncated_is_cap=_truncated_is_cap(n_behind),
+    )
+
+
+@PRESETS.register("DAPO")
+def dapo(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
+    """DAPO (Yu et al. 2025): clip-higher, dynamic sampling, token-level loss, overlong shaping; no KL.
+
+    ``kl_coeff`` is ignored: DAPO drops the KL term (override with ``replace`` to add one back).
+    """
+    return AlgorithmConfig(
+        name="DAPO",
+        advantage_estimator="grpo",
+        policy_loss="clipped",
+        loss_aggregation="token_level",
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        skip_threshold=20.0,
+        kl_coeff=0.0,
+        filter_range=(0.01, 0.99),
+        filter_truncated_response=True,
+        soft_over_length_punishment=True,
+        cache_length=min(1024, max_new_tokens // 4),
+        truncated_is_cap=_truncated_is_cap(n_behind),
+    )
+
+
+@PRESETS.register("RLOO")
+def rloo(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
+    """RLOO (Ahmadian et al. 2024): leave-one-out baseline, clipped ratio, per-sample token mean."""
+    return AlgorithmConfig(
+        name="RLOO",
+        advantage_estimator="rloo",
+        policy_loss="clipped",
+        loss_aggregation="sample_level",
+        kl_coeff=kl_coeff,
+        truncated_is_cap=_truncated_is_cap(n_behind),
+    )
+
+
+@PRESETS.register("REINFORCE_PPB")
+def reinforce_ppb(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
+    """REINFORCE++ with a group baseline (Hu et al. 2025): group-centred, batch-whitened advantages."""
+    return AlgorithmConfig(
+        name="REINFORCE_PPB",
+        advantage_estimator="reinforce_ppb",
+        policy_loss="clipped",
+        loss_aggregation="sample_level",
+        kl_coeff=kl_coeff,
+        truncated_is_cap=_truncated_is_cap(n_behind),
+    )
+
+
+@PRESETS.register("DR_GRPO")
+def dr_grpo(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
+    """Dr. GRPO (Liu et al. 2025): no std normalisation, token sums over a constant length."""
+    return AlgorithmConfig(
+        name="DR_GRPO",
+        advantage_estimator="dr_grpo",
+        policy_loss="clipped",
+        loss_aggregation="seq_mean_token_sum",
+        kl_coeff=kl_coeff,
+        truncated_is_cap=_truncated_is_cap(n_behind),
+    )
+
+
+@PRESETS.register("GSPO")
+def gspo(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
+    """GSPO (Zheng et al. 2025): sequence-level ratio clipped at 1 - 3e-4 / 1 + 4e-4, per-sample mean."""
+    return AlgorithmConfig(
+        name="GSPO",
+        advantage_estimator="grpo",
+        policy_loss="gspo",
+        loss_aggregation="sample_level",
+        clip_eps_low=3e-4,
+        clip_eps_high=4e-4,
+        kl_coeff=kl_coeff,
+        truncated_is_cap=_truncated_is_cap(n_behind),
+    )
+
+
+def algorithm_preset(name: str, *, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
+    """The validated preset ``name``; raises ``ValueError`` listing the known presets for an unknown name."""
+    config = PRESETS.get(name)(kl_coeff=kl_coeff, max_new_tokens=max_new_tokens, n_behind=n_behind)
+    config.validate()
+    return config

@@ -1,0 +1,70 @@
+"""The one interface every inference engine of the producers implements.
+
+A backend turns prompt token ids into sampled responses laid out as the rollout batch
+expects (left-padded prompts, right-padded responses, behaviour log-probabilities) and
+accepts new weights by name. ``create_backend`` picks the implementation; the vLLM one
+is imported only when asked for, so this module is safe without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSettings:
+    temperature: float
+    """Sampling temperature; the behaviour log-probabilities are taken at this temperature."""
+    top_k: int | None = None
+    top_p: float = 1.0
+    max_new_tokens: int
+    greedy: bool = False
+    """Greedy decoding (evaluation); log-probabilities are then taken at temperature 1."""
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationOutput:
+    """Responses for N = len(prompts) * num_samples sequences, group-major (prompt i -> rows i*n .. i*n+n-1)."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    response_ids: torch.Tensor  # [N, R] right-padded
+    response_mask: torch.Tensor  # [N, R] 1 on generated tokens up to and including EOS
+    behaviour_logprobs: torch.Tensor  # [N, R] log p(token) at the sampling temperature, 0 on padding
+    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without EOS or stop string
+    responses: list[str]  # [N] decoded response texts (special tokens removed)
+
+
+class InferenceBackend(Protocol):
+    def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
+        """Sample ``num_samples`` responses for every prompt."""
+        ...
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the model weights (full, unsharded, Hugging Face names)."""
+        ...
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engine currently holds (for checks and tests)."""
+        ...
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend's packages are not installed."""
+
+
+def create_backend(name: str, model_path: str, *, tensor_parallel_size: int = 1, seed: int = 0) -> InferenceBackend:
+    if name == "transformers":
+        from colossal_rl.rollout.transformers_backend import TransformersBackend
+
+        return TransformersBackend(model_path)
+    if name == "vllm":
+        raise BackendUnavailableError(
+            "-b vllm: the vLLM backend is not yet supported in this build (it needs a GPU and the 'gpu' extra: "
+            "pip install -e '.[gpu]'); use -b transformers"
+        )
+    raise ValueError(f"unknown inference backend {name!r}; choose transformers or vllm")

@@ -1,0 +1,69 @@
+"""Producer-side post-processing of a scored rollout batch: shaping, filtering, advantages.
+
+Reads ``AlgorithmConfig`` and applies the registered functions of ``colossal_rl.algorithms`` in the
+order the algorithms define; no branching on the algorithm's name, no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from colossal_rl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    dynamic_sampling_group_mask,
+    filter_truncated_response,
+    masked_mean,
+    soft_over_length_penalty,
+)
+from colossal_rl.batch import RolloutBatch
+from colossal_rl.config import AlgorithmConfig
+
+
+def postprocess_rollout(
+    batch: RolloutBatch, algo: AlgorithmConfig, max_new_tokens: int
+) -> tuple[RolloutBatch | None, dict[str, float]]:
+    """Shape rewards, mask and filter samples, and attach advantages; None when no group survives.
+
+    In order: (1) DAPO's soft over-length penalty is added to the rewards the advantages see
+    (``batch.rewards`` keeps the verifier's reward); (2) truncated responses leave ``loss_mask``;
+    (3) dynamic sampling drops groups whose accuracy over loss-masked-in samples lies outside
+    ``algo.filter_range`` (before advantages, so batch-level estimators see only kept groups);
+    (4) ``algo.advantage_estimator`` computes advantages over the samples in ``loss_mask``.
+
+    Metrics (floats): ``rollout/reward_mean`` and ``rollout/accuracy`` over samples without infra errors
+    (the incoming ``loss_mask``), ``rollout/groups``, ``rollout/groups_filtered``,
+    ``rollout/loss_masked_fraction`` and, when shaping is on, ``rollout/over_length_penalty_mean``.
+    """
+    scored = batch.loss_mask.bool()
+    metrics = {
+        "rollout/reward_mean": float(masked_mean(batch.rewards.float(), scored)),
+        "rollout/accuracy": float(masked_mean(batch.answer_correct.float(), scored)),
+        "rollout/groups": float(batch.num_groups),
+    }
+    shaped_rewards = batch.rewards.float()
+    if algo.soft_over_length_punishment:
+        lengths = batch.response_mask.sum(-1)
+        penalty = soft_over_length_penalty(lengths, max_new_tokens, algo.cache_length)
+        shaped_rewards = shaped_rewards + penalty
+        metrics["rollout/over_length_penalty_mean"] = float(penalty.mean())
+    loss_mask = batch.loss_mask.float()
+    if algo.filter_truncated_response:
+        loss_mask = loss_mask * filter_truncated_response(batch.truncated)
+    metrics["rollout/loss_masked_fraction"] = float(1 - loss_mask.mean())
+
+    batch = replace(batch, loss_mask=loss_mask)
+    kept_groups = list(range(batch.num_groups))
+    if algo.filter_range is not None:
+        low, high = algo.filter_range
+        keep = dynamic_sampling_group_mask(batch.answer_correct, batch.group_size, low, high, valid_mask=loss_mask)
+        kept_groups = keep.nonzero().flatten().tolist()
+    metrics["rollout/groups_filtered"] = float(batch.num_groups - len(kept_groups))
+    if not kept_groups:
+        return None, metrics
+    if len(kept_groups) < batch.num_groups:
+        shaped_rewards = shaped_rewards.view(-1, batch.group_size)[kept_groups].view(-1)
+        batch = batch.select_groups(kept_groups)
+
+    estimate = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
+    advantages = estimate(shaped_rewards, batch.group_size, algo.advantage_eps, valid_mask=batch.loss_mask)
+    return batch.with_advantages(advantages), metrics

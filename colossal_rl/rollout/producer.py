@@ -1,0 +1,194 @@
+"""A producer: samples groups of responses for its share of each round and scores them.
+
+Plain class, no Ray: the actor shell in ``colossal_rl/actors.py`` moves its batches into the
+object store and the shared buffer. A producer only ever generates with the weights it was
+last given; which round uses which weights version is decided by the driver's schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from colossal_rl.batch import RolloutBatch, pad_to
+from colossal_rl.config import RLConfig
+from colossal_rl.data import EpisodeSchedule, PromptDataset, load_prompt_dataset
+from colossal_rl.prompts import system_prompt_for
+from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings, create_backend
+from colossal_rl.rollout.postprocess import postprocess_rollout
+
+logger = logging.getLogger(__name__)
+
+
+class InfraErrorRateExceeded(RuntimeError):
+    """Too many reward computations failed for infrastructure reasons: results would be meaningless."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    task: str
+    accuracy: float
+    num_prompts: int
+    records: list[dict]
+
+
+def concat_generation_outputs(parts: list[GenerationOutput], pad_token_id: int) -> GenerationOutput:
+    """Join outputs of several generate calls, re-padding to common lengths."""
+    prompt_len = max(p.prompt_ids.shape[1] for p in parts)
+    response_len = max(p.response_ids.shape[1] for p in parts)
+    return GenerationOutput(
+        prompt_ids=torch.cat([pad_to(p.prompt_ids, prompt_len, pad_token_id, left=True) for p in parts]),
+        prompt_mask=torch.cat([pad_to(p.prompt_mask, prompt_len, 0, left=True) for p in parts]),
+        response_ids=torch.cat([pad_to(p.response_ids, response_len, pad_token_id, left=False) for p in parts]),
+        response_mask=torch.cat([pad_to(p.response_mask, response_len, 0, left=False) for p in parts]),
+        behaviour_logprobs=torch.cat([pad_to(p.behaviour_logprobs, response_len, 0.0, left=False) for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]),
+        responses=[r for p in parts for r in p.responses],
+    )
+
+
+class Producer:
+    def __init__(self, rank: int, config: RLConfig, reward_scorer):
+        self.rank = rank
+        self.config = config
+        self.policy_version = 0
+        self.backend = create_backend(
+            config.generation.backend,
+            config.model.path,
+            tensor_parallel_size=config.generation.tensor_parallel_size,
+            seed=config.run.seed,
+        )
+        self.tokenizer = self.backend.tokenizer
+        self.reward_scorer = reward_scorer
+        system_prompt = system_prompt_for(config.reward.reward_type, config.data.system_prompt)
+        max_prompt = config.data.max_prompt_tokens
+        self.train_data = load_prompt_dataset(config.data.train_path, self.tokenizer, system_prompt, max_prompt)
+        self.eval_data = {
+            task: load_prompt_dataset(path, self.tokenizer, system_prompt, max_prompt)
+            for task, path in config.data.eval_paths
+        }
+        self.schedule = EpisodeSchedule(
+            num_rows=len(self.train_data),
+            num_producers=config.schedule.num_producers,
+            prompts_per_producer=config.schedule.inference_batch_size,
+            seed=config.data.seed,
+        )
+        self._infra_errors = 0
+        self._scored = 0
+
+    # ------------------------------------------------------------------ generation
+    def _generate(self, prompt_ids: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
+        chunk = self.config.generation.microbatch_size
+        parts = [
+            self.backend.generate(prompt_ids[start : start + chunk], num_samples, sampling)
+            for start in range(0, len(prompt_ids), chunk)
+        ]
+        return concat_generation_outputs(parts, self.backend.pad_token_id)
+
+    def _train_sampling(self) -> SamplingSettings:
+        gen = self.config.generation
+        return SamplingSettings(
+            temperature=gen.temperature,
+            top_k=gen.top_k,
+            top_p=gen.top_p,
+            max_new_tokens=gen.max_new_tokens,
+            stop_strings=gen.stop_strings,
+        )
+
+    def _eval_sampling(self) -> SamplingSettings:
+        gen = self.config.generation
+        greedy = gen.eval_temperature == 0
+        return SamplingSettings(
+            temperature=1.0 if greedy else gen.eval_temperature,
+            top_k=None if greedy else gen.top_k,
+            top_p=1.0 if greedy else gen.top_p,
+            max_new_tokens=gen.max_new_tokens,
+            greedy=greedy,
+            stop_strings=gen.stop_strings,
+        )
+
+    def produce(self, round_index: int) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Generate, score and post-process this producer's prompts of ``round_index``."""
+        started = time.perf_counter()
+        row_indices = self.schedule.rows_for(round_index, self.rank)
+        group_size = self.config.generation.num_generations
+        torch.manual_seed(self.config.run.seed * 1_000_003 + round_index * 1009 + self.rank)
+        output = self._generate([self.train_data.prompt_ids[i] for i in row_indices], group_size, self._train_sampling())
+        generate_seconds = time.perf_counter() - started
+        rows = [self.train_data.rows[i] for i in row_indices for _ in range(group_size)]
+        records = self._score(output.responses, rows)
+        batch = RolloutBatch(
+            prompt_ids=output.prompt_ids,
+            prompt_mask=output.prompt_mask,
+            response_ids=output.response_ids,
+            response_mask=output.response_mask,
+            behaviour_logprobs=output.behaviour_logprobs,
+            rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
+            answer_correct=torch.tensor([float(r.answer_ok) for r in records]),
+            loss_mask=torch.tensor([0.0 if r.status == "infra_error" else 1.0 for r in records]),
+            truncated=output.truncated,
+            group_size=group_size,
+            policy_version=self.policy_version,
+            round_index=round_index,
+            producer_rank=self.rank,
+            prompts=[self.tokenizer.decode(self.train_data.prompt_ids[i]) for i in row_indices],
+            responses=output.responses,
+            reward_status=[r.status for r in records],
+            data_indices=row_indices,
+        )
+        processed, metrics = postprocess_rollout(batch, self.config.algorithm, self.config.generation.max_new_tokens)
+        metrics.update(
+            {
+                "rollout/response_length": float(output.response_mask.sum(1).float().mean()),
+                "rollout/truncated_fraction": float(output.truncated.float().mean()),
+                "rollout/infra_error_fraction": sum(r.status == "infra_error" for r in records) / len(records),
+                "time/generate_s": generate_seconds,
+                "time/produce_s": time.perf_counter() - started,
+            }
+        )
+        return processed, metrics
+
+    def _score(self, responses: list[str], rows: list[dict]) -> list:
+        records = self.reward_scorer.score_batch(responses, rows)
+        self._scored += len(records)
+        self._infra_errors += sum(r.status == "infra_error" for r in records)
+        if self._scored >= 64 and self._infra_errors / self._scored > 0.5:
+            raise InfraErrorRateExceeded(
+                f"producer {self.rank}: {self._infra_errors} of {self._scored} rewards failed with infra_error "
+                f"(verifier or sandbox broken?); see the reward records' details"
+            )
+        return records
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, version: int, named_tensors: dict[str, torch.Tensor]) -> None:
+        if version <= self.policy_version:
+            raise ValueError(f"producer {self.rank}: weights version {version} is not newer than {self.policy_version}")
+        self.backend.load_weights(named_tensors)
+        self.policy_version = version
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, num_producers: int) -> list[EvalResult]:
+        """Greedy (or eval-temperature) accuracy on this producer's share of every eval task."""
+        results = []
+        for task, dataset in self.eval_data.items():
+            indices = list(range(self.rank, len(dataset), num_producers))
+            results.append(self._evaluate_task(task, dataset, indices))
+        return results
+
+    def _evaluate_task(self, task: str, dataset: PromptDataset, indices: list[int]) -> EvalResult:
+        if not indices:
+            return EvalResult(task=task, accuracy=0.0, num_prompts=0, records=[])
+        torch.manual_seed(self.config.run.seed + 7 * self.rank)
+        output = self._generate([dataset.prompt_ids[i] for i in indices], 1, self._eval_sampling())
+        rows = [dataset.rows[i] for i in indices]
+        scored = self.reward_scorer.score_batch(output.responses, rows)
+        records = [
+            {"index": i, "response": text, "gt_answer": row.get("gt_answer"), "reward": rec.reward,
+             "correct": rec.answer_ok, "status": rec.status}
+            for i, text, row, rec in zip(indices, output.responses, rows, scored, strict=True)
+        ]
+        accuracy = sum(r["correct"] for r in records) / len(records)
+        return EvalResult(task=task, accuracy=accuracy, num_prompts=len(records), records=records)

@@ -1,0 +1,123 @@
+"""Inference with plain Hugging Face transformers: runs anywhere (CPU included)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
+
+logger = logging.getLogger(__name__)
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ``ids`` [N, P] and ``mask`` [N, P]."""
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        if tokens:
+            ids[row, length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, length - len(tokens) :] = 1
+    return ids, mask
+
+
+def response_mask_until_eos(response_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask [N, R] of tokens up to and including the first EOS, and ``truncated`` [N] (no EOS at all)."""
+    is_eos = torch.isin(response_ids, torch.tensor(eos_token_ids, dtype=response_ids.dtype))
+    # Number of EOS tokens strictly before each position; positions with none before are kept.
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    mask = (eos_before == 0).long()
+    truncated = ~is_eos.any(dim=1)
+    return mask, truncated
+
+
+def cut_at_stop_strings(
+    tokenizer, response_ids: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor, stop_strings: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shorten masks so each response ends with the token that completes a stop string (kept in the output)."""
+    if not stop_strings:
+        return mask, truncated
+    mask, truncated = mask.clone(), truncated.clone()
+    for row in range(response_ids.shape[0]):
+        length = int(mask[row].sum())
+        text = ""
+        for position in range(length):
+            text += tokenizer.decode(response_ids[row, position : position + 1])
+            if any(text.endswith(stop) for stop in stop_strings):
+                mask[row, position + 1 :] = 0
+                truncated[row] = False
+                break
+    return mask, truncated
+
+
+class TransformersBackend:
+    """Samples with ``model.generate``; behaviour log-probs are log-softmax(raw logits / temperature)."""
+
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=dtype)
+        self.model.eval()
+        self.pad_token_id = self._pad_token_id()
+        self.eos_token_ids = self._eos_token_ids()
+
+    def _pad_token_id(self) -> int:
+        if self.tokenizer.pad_token_id is not None:
+            return self.tokenizer.pad_token_id
+        return self.tokenizer.eos_token_id
+
+    def _eos_token_ids(self) -> list[int]:
+        configured = self.model.generation_config.eos_token_id
+        ids = configured if isinstance(configured, list) else [configured]
+        ids = [i for i in ids if i is not None] or [self.tokenizer.eos_token_id]
+        return sorted(set(ids))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
+        repeated = [p for p in prompts for _ in range(num_samples)]
+        prompt_ids, prompt_mask = left_pad(repeated, self.pad_token_id)
+        kwargs = dict(
+            max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_ids,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        if sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
+        if sampling.stop_strings:
+            kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=self.tokenizer)
+        output = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
+        response_ids = output.sequences[:, prompt_ids.shape[1] :]
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        logits = torch.stack(output.logits, dim=1).float() / temperature  # [N, R, V]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+        mask, truncated = response_mask_until_eos(response_ids, self.eos_token_ids)
+        mask, truncated = cut_at_stop_strings(self.tokenizer, response_ids, mask, truncated, sampling.stop_strings)
+        response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, self.pad_token_id))
+        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        return GenerationOutput(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=mask,
+            behaviour_logprobs=logprobs * mask,
+            truncated=truncated,
+            responses=texts,
+        )
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        unknown = sorted(set(named_tensors) - set(own))
+        if unknown:
+            raise KeyError(f"weights not in the producer's model: {unknown[:5]}")
+        for name, tensor in named_tensors.items():
+            own[name].copy_(tensor)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}

@@ -1,0 +1,100 @@
+"""The training objective: ``AlgorithmConfig`` -> registered loss functions -> one scalar loss.
+
+This is the only place on the training side that reads ``AlgorithmConfig`` to choose math; it looks
+functions up by name in ``colossal_rl.algorithms`` and never branches on the algorithm's name. It holds
+no state and does no communication: the global token and sample counts come from the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colossal_rl.algorithms import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    masked_mean,
+    off_policy_metrics,
+    skip_threshold_mask,
+    truncated_importance_weights,
+)
+from colossal_rl.config import AlgorithmConfig
+
+
+def policy_objective(
+    *,
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    algo: AlgorithmConfig,
+    global_token_count: float,
+    global_sample_count: float,
+    max_response_length: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """loss = aggregate(w_t * l_t + kl_coeff * kl_t) over the micro-batch, with global denominators.
+
+    ``l_t`` is ``algo.policy_loss`` (ratio new/old, clipped), ``w_t`` the truncated importance weight
+    min(exp(old - behaviour), ``algo.truncated_is_cap``) (1 when the cap is None), ``kl_t`` the
+    ``algo.kl_estimator`` of KL(new || ref). Tokens count where ``response_mask * loss_mask`` is 1 and the
+    sample is not skipped by ``algo.skip_threshold`` (skipped samples stay in the denominators: they
+    contribute zero, so every piece of the batch can be scaled before the skip is known).
+
+    Shapes: new/old/behaviour/ref_logprobs [B, T] (old, behaviour and ref carry no gradient),
+    advantages [B], response_mask [B, T], loss_mask [B].
+
+    Scaling: ``global_token_count`` = sum of ``response_mask * loss_mask`` and ``global_sample_count`` =
+    sum of ``loss_mask`` over *every* micro-batch on *every* data-parallel rank of this optimizer step;
+    ``max_response_length`` = max_new_tokens (for ``seq_mean_token_sum``). Then the SUM of the returned
+    losses over micro-batches and ranks is the full-batch loss. DDP and ZeRO AVERAGE gradients over the
+    dp ranks, so the caller must backpropagate ``loss * dp_size`` for the gradient of that sum.
+
+    Returns the scalar loss and detached metrics that are means over this micro-batch's loss tokens:
+    ``train/clip_fraction``, ``train/ratio_mean``, ``train/skipped_fraction`` (of samples, when
+    ``skip_threshold`` is set), ``train/kl`` (when ``kl_coeff > 0``) and ``off_policy/*``.
+    """
+    policy_loss = POLICY_LOSSES.get(algo.policy_loss)
+    aggregate = LOSS_AGGREGATIONS.get(algo.loss_aggregation)
+    mask = response_mask.bool() & loss_mask.bool().unsqueeze(-1)  # [B, T]
+    metrics: dict[str, torch.Tensor] = {}
+
+    if algo.skip_threshold is not None:
+        keep = skip_threshold_mask(new_logprobs, old_logprobs, mask, algo.skip_threshold)  # [B]
+        metrics["train/skipped_fraction"] = masked_mean((~keep).float(), loss_mask)
+        mask = mask & keep.unsqueeze(-1)
+
+    output = policy_loss(
+        new_logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_eps_low=algo.clip_eps_low,
+        clip_eps_high=algo.clip_eps_high,
+        dual_clip=algo.dual_clip,
+    )
+    per_token_loss = output.loss  # [B, T]
+    if algo.truncated_is_cap is not None:
+        per_token_loss = per_token_loss * truncated_importance_weights(
+            old_logprobs, behaviour_logprobs, algo.truncated_is_cap
+        )
+    if algo.kl_coeff > 0:
+        if ref_logprobs is None:
+            raise ValueError(f"kl_coeff = {algo.kl_coeff} needs ref_logprobs from a reference model")
+        kl = KL_ESTIMATORS.get(algo.kl_estimator)(new_logprobs, ref_logprobs)  # [B, T]
+        per_token_loss = per_token_loss + algo.kl_coeff * kl
+        metrics["train/kl"] = masked_mean(kl.detach(), mask)
+
+    loss = aggregate(
+        per_token_loss,
+        mask,
+        global_token_count=global_token_count,
+        global_sample_count=global_sample_count,
+        max_response_length=max_response_length,
+    )
+    metrics["train/clip_fraction"] = masked_mean(output.clipped.float(), mask)
+    metrics["train/ratio_mean"] = masked_mean(output.ratio, mask)
+    metrics.update(off_policy_metrics(old_logprobs, behaviour_logprobs, mask, algo.truncated_is_cap))
+    return loss, metrics

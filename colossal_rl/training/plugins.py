@@ -1,0 +1,143 @@
+"""Choosing and building the ColossalAI Booster plugin of the consumers, and starting their process group.
+
+Which plugin trains a layout:
+
+==========================  ===========================  ============================================
+layout                      plugin                       notes
+==========================  ===========================  ============================================
+tp = pp = 1, zero 0, fp32   ``TorchDDPPlugin``           it has no mixed precision and never clips:
+                                                         use :func:`clip_and_step`
+tp = pp = 1, zero 0, bf16   ``HybridParallelPlugin``     mixed precision with fp32 master weights
+tp = pp = 1, zero 1/2       ``LowLevelZeroPlugin``       fp32 allowed
+tp > 1 or pp > 1            ``HybridParallelPlugin``     ZeRO only with bf16/fp16; ZeRO-2 not with pp
+==========================  ===========================  ============================================
+
+ZeRO's and the hybrid plugin's optimizers clip to ``max_norm`` inside ``step()``. On CPU, ZeRO's
+communication overlap is off (it needs CUDA streams) and :mod:`cpu_compat` patches must be applied
+(:func:`launch_colossalai` does it). Under tensor parallelism the LM head keeps ColossalAI's default
+``parallel_output=True``: logits are sharded over the vocabulary; ``model(..., labels=...)`` computes the
+loss with a vocab-parallel cross entropy. Sequence parallelism is offered only in ``split_gather`` mode:
+``ring`` mode produces wrong weight gradients in ColossalAI 0.5.0.
+"""
+
+from __future__ import annotations
+
+import colossalai
+import torch
+import torch.distributed as dist
+from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
+from colossalai.interface import OptimizerWrapper
+
+from colossal_rl.config import ConfigError, ParallelConfig, Precision
+from colossal_rl.training.cpu_compat import apply_cpu_compat_patches
+
+# fp16 starts at 2**16: ColossalAI's ZeRO default of 2**32 overflows, skipping the first step.
+_FP16_INITIAL_SCALE = 2.0**16
+
+
+def default_precision(on_cpu: bool) -> Precision:
+    """fp32 on CPU (no bf16 tensor cores to gain from; results match fp32 references exactly), bf16 on GPU."""
+    return "fp32" if on_cpu else "bf16"
+
+
+def launch_colossalai(rank: int, world_size: int, master_addr: str, master_port: int, *, on_cpu: bool) -> None:
+    """Start the consumers' default process group: gloo plus the CPU patches on CPU, nccl on GPU.
+
+    ColossalAI 0.5.0 picks the backend from its accelerator; the backend is checked afterwards so a
+    CPU run on a machine with CUDA (or the reverse) fails here instead of inside a collective.
+    """
+    backend = "gloo" if on_cpu else "nccl"
+    if on_cpu:
+        apply_cpu_compat_patches()
+    colossalai.launch(
+        rank=rank, world_size=world_size, host=master_addr, port=master_port, backend=backend, verbose=False
+    )
+    actual = dist.get_backend()
+    if actual != backend:
+        raise RuntimeError(f"expected a {backend} process group (on_cpu={on_cpu}), ColossalAI started {actual}")
+
+
+def make_plugin(parallel: ParallelConfig, *, microbatch_size: int, max_norm: float, on_cpu: bool) -> Plugin:
+    """The plugin for ``parallel`` (see the module docstring); ``microbatch_size`` is the train micro-batch."""
+    parallel.validate()
+    if parallel.tp_size > 1 or parallel.pp_size > 1:
+        return make_hybrid_plugin(parallel, microbatch_size=microbatch_size, max_norm=max_norm, on_cpu=on_cpu)
+    if parallel.zero_stage > 0:
+        return make_low_level_zero_plugin(parallel, max_norm=max_norm, on_cpu=on_cpu)
+    if parallel.precision == "fp32":
+        return TorchDDPPlugin()
+    return make_hybrid_plugin(parallel, microbatch_size=microbatch_size, max_norm=max_norm, on_cpu=on_cpu)
+
+
+def make_low_level_zero_plugin(parallel: ParallelConfig, *, max_norm: float, on_cpu: bool) -> LowLevelZeroPlugin:
+    """ZeRO-1/2 over every rank (data parallel only); any precision."""
+    if parallel.zero_stage not in (1, 2):
+        raise ConfigError(
+            "parallel.zero_stage", f"LowLevelZeroPlugin needs ZeRO stage 1 or 2, got {parallel.zero_stage}"
+        )
+    return LowLevelZeroPlugin(
+        stage=parallel.zero_stage,
+        precision=parallel.precision,
+        initial_scale=_FP16_INITIAL_SCALE,
+        max_norm=max_norm,
+        overlap_communication=not on_cpu,
+    )
+
+
+def make_hybrid_plugin(
+    parallel: ParallelConfig,
+    *,
+    microbatch_size: int,
+    max_norm: float,
+    on_cpu: bool,
+    sequence_parallelism: bool = False,
+) -> HybridParallelPlugin:
+    """Tensor/pipeline parallelism with data parallelism (ZeRO-1/2 in bf16/fp16) over the remaining ranks.
+
+    The pipeline micro-batch is ``max(1, microbatch_size // pp_size)``, as ColossalChat does.
+    ``sequence_parallelism`` turns on split_gather sequence parallelism over the tensor-parallel group.
+    """
+    if parallel.zero_stage > 0 and parallel.precision == "fp32":
+        raise ConfigError(
+            "parallel.precision",
+            "HybridParallelPlugin runs ZeRO only in bf16 or fp16; use zero_stage 0 with fp32, or tp = pp = 1 "
+            "(LowLevelZeroPlugin) for fp32 ZeRO",
+        )
+    if parallel.zero_stage > 1 and parallel.pp_size > 1:
+        raise ConfigError("parallel.zero_stage", "pipeline parallelism allows ZeRO stage 0 or 1 only")
+    if sequence_parallelism and parallel.tp_size < 2:
+        raise ConfigError("parallel.tp_size", "split_gather sequence parallelism needs tp_size > 1")
+    pipeline_kwargs = {}
+    if parallel.pp_size > 1:
+        pipeline_kwargs = {"microbatch_size": max(1, microbatch_size // parallel.pp_size), "pp_style": "1f1b"}
+    return HybridParallelPlugin(
+        tp_size=parallel.tp_size,
+        pp_size=parallel.pp_size,
+        precision=parallel.precision,
+        zero_stage=parallel.zero_stage,
+        initial_scale=_FP16_INITIAL_SCALE,
+        max_norm=max_norm,
+        overlap_communication=not on_cpu,
+        enable_sequence_parallelism=sequence_parallelism,
+        sequence_parallelism_mode="split_gather" if sequence_parallelism else None,
+        **pipeline_kwargs,
+    )
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: OptimizerWrapper, plugin: Plugin, max_norm: float) -> float | None:
+    """Clip to ``max_norm``, step and zero the gradients; returns the global gradient norm before clipping.
+
+    Only ``TorchDDPPlugin`` needs clipping here. The other plugins clip inside ``step()`` with the norm
+    over all shards; their gradients live in the optimizer, so clipping ``p.grad`` here would miss them
+    (ZeRO) or use a per-shard norm (tensor parallelism). Returns None when no norm was computed
+    (``max_norm <= 0``).
+    """
+    norm = None
+    if isinstance(plugin, TorchDDPPlugin) and max_norm > 0:
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # DDP gradients are already averaged
+    optimizer.step()
+    optimizer.zero_grad()
+    if not isinstance(plugin, TorchDDPPlugin) and max_norm > 0:
+        norm = optimizer.get_grad_norm()
+    return None if norm is None else float(norm)

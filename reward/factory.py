@@ -1,0 +1,94 @@
+"""``build_reward_scorer``: the one place that turns reward settings into a scorer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from .code_runner import LocalCodeRunner, RemoteCodeRunner
+from .code_scorer import CodeScorer
+from .math_scorer import EXTRACTORS, MathRewardConfig, MathScorer
+from .plugins import PluginScorer, RewardConfigError, load_reward_fn
+from .records import RewardRecord
+from .sandbox import SandboxConfig
+
+REWARD_TYPES = (*EXTRACTORS, "code")
+TOKEN_ENV = "COLOSSAL_RL_VERIFIER_TOKEN"
+TOKEN_FILE_ENV = "COLOSSAL_RL_VERIFIER_TOKEN_FILE"
+_REMOTE_OPTIONS = {"verifier_token", "verifier_token_file", "verifier_timeout_s", "verifier_concurrency"}
+
+
+class RewardScorer(Protocol):
+    def score_batch(self, responses: list[str], rows: list[dict[str, Any]]) -> list[RewardRecord]: ...
+
+    def close(self) -> None: ...
+
+
+def _make_config(cls: type, options: dict[str, Any], what: str):
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise RewardConfigError(f"unknown option(s) {unknown} for {what}; valid options: {sorted(valid)}")
+    return cls(**options)
+
+
+def _verifier_token(options: dict[str, Any]) -> str:
+    token = options.get("verifier_token") or os.environ.get(TOKEN_ENV)
+    token_file = options.get("verifier_token_file") or os.environ.get(TOKEN_FILE_ENV)
+    if not token and token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as error:
+            raise RewardConfigError(f"verifier token file {token_file}: {error}") from None
+    if not token:
+        raise RewardConfigError(
+            f"code_verifier_url needs the server's token: option verifier_token(_file) or ${TOKEN_ENV}(_FILE)"
+        )
+    return token
+
+
+def _code_scorer(code_verifier_url: str | None, options: dict[str, Any]) -> CodeScorer:
+    if code_verifier_url is None:
+        return CodeScorer(LocalCodeRunner(_make_config(SandboxConfig, options, "reward type 'code' (local sandbox)")))
+    unknown = sorted(set(options) - _REMOTE_OPTIONS)
+    if unknown:
+        raise RewardConfigError(
+            f"option(s) {unknown} do not apply with code_verifier_url (set them on the server); "
+            f"valid: {sorted(_REMOTE_OPTIONS)}"
+        )
+    runner = RemoteCodeRunner(
+        code_verifier_url,
+        _verifier_token(options),
+        timeout_s=float(options.get("verifier_timeout_s", 180.0)),
+        concurrency=int(options.get("verifier_concurrency", 8)),
+    )
+    return CodeScorer(runner)
+
+
+def build_reward_scorer(
+    reward_type: str = "boxed",
+    code_verifier_url: str | None = None,
+    reward_fn: str | None = None,
+    **options: Any,
+) -> RewardScorer:
+    """A scorer for ``reward_type``; ``reward_fn`` (a user plug-in) replaces the built-in scorer.
+
+    Options: math types take :class:`MathRewardConfig` fields (``timeout_s``, ``num_workers``, ...);
+    ``code`` takes :class:`SandboxConfig` fields, or with ``code_verifier_url`` the client options
+    ``verifier_token``, ``verifier_token_file``, ``verifier_timeout_s``, ``verifier_concurrency``.
+    Raises :class:`RewardConfigError` for anything invalid.
+    """
+    if reward_fn is not None:
+        if options:
+            raise RewardConfigError(f"options {sorted(options)} do not apply to a reward_fn plug-in")
+        return PluginScorer(load_reward_fn(reward_fn), reward_fn)
+    if reward_type not in REWARD_TYPES:
+        raise RewardConfigError(f"unknown reward_type {reward_type!r}; expected one of {list(REWARD_TYPES)}")
+    if reward_type == "code":
+        return _code_scorer(code_verifier_url, options)
+    if code_verifier_url is not None:
+        raise RewardConfigError(f"code_verifier_url applies to reward_type 'code', not {reward_type!r}")
+    config = _make_config(MathRewardConfig, options, f"reward type {reward_type!r}")
+    return MathScorer(reward_type, config)

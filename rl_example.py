@@ -1,0 +1,239 @@
+"""Command line of colossal-rl: ColossalChat's ``rl_example.py`` flags -> RLConfig -> launch.
+
+    python rl_example.py                  # GRPO on the embedded tiny model, offline, on CPU
+    python rl_example.py -m Qwen/Qwen2.5-0.5B -d data.jsonl -lr 1e-6 -mnt 1024 ...
+
+Only this file parses argv. No algorithm logic here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from colossal_rl.config import (
+    EMBEDDED_EVAL_DATA,
+    AlgorithmConfig,
+    ConfigError,
+    DataConfig,
+    GenerationConfig,
+    ModelConfig,
+    ParallelConfig,
+    RewardConfig,
+    RLConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
+
+logger = logging.getLogger("colossal_rl")
+
+# Config field -> the flag that sets it, so validation errors name what the user typed.
+FIELD_FLAGS = {
+    "model.path": "-m/--model",
+    "data.train_path": "-d/--dataset",
+    "data.eval_paths": "-ed/--eval-dataset",
+    "data.max_prompt_tokens": "-mpt/--max-prompt-tokens",
+    "generation.num_generations": "-g/--num-generations",
+    "generation.temperature": "-temp/--temperature",
+    "generation.top_k": "-topk/--top-k",
+    "generation.top_p": "-topp/--top-p",
+    "generation.max_new_tokens": "-mnt/--max-new-tokens",
+    "generation.microbatch_size": "-imbs/--inference-microbatch-size",
+    "generation.tensor_parallel_size": "-ptp/--producer-tensor-parallel-size",
+    "algorithm.kl_coeff": "-kl/--kl-coeff",
+    "train.learning_rate": "-lr/--learning-rate",
+    "train.batch_size": "-tbs/--train-batch-size",
+    "train.minibatch_size": "-tMbs/--train-minibatch-size",
+    "train.microbatch_size": "-tmbs/--train-microbatch-size",
+    "parallel.num_trainers": "-t/--num-trainers",
+    "parallel.tp_size": "-tp/--tensor-parallel-size",
+    "parallel.pp_size": "-pp/--pipeline-parallel-size",
+    "parallel.zero_stage": "-zero/--zero-stage",
+    "parallel.precision": "--precision",
+    "schedule.num_producers": "-i/--num-inferencer",
+    "schedule.inference_batch_size": "-ibs/--inference-batch-size",
+    "schedule.num_episodes": "-e/--num-episodes",
+    "schedule.n_behind": "-nb/--n-behind",
+    "schedule.max_steps": "--max-steps",
+    "run.eval_interval": "-ei/--eval-interval",
+    "run.save_interval": "-si/--save-interval",
+    "run.timeout_s": "--timeout",
+}
+
+
+class UsageError(ValueError):
+    """A flag has a value we cannot run with; the message names the flag."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = RLConfig()
+    p = argparse.ArgumentParser(
+        description="Asynchronous GRPO/DAPO with Ray producers and ColossalAI consumers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("-m", "--model", default=defaults.model.path, help="HF hub name or local model directory.")
+    p.add_argument("-cp", "--checkpoint-path", default=None, help="Resume from this checkpoint directory.")
+    p.add_argument("-d", "--dataset", default=defaults.data.train_path, help="Training prompts (jsonl).")
+    p.add_argument("-ed", "--eval-dataset", default=None, help='JSON map {"task": "path.jsonl"}; default: embedded.')
+    p.add_argument("-p", "--project", default=defaults.run.project, help="Project / run name.")
+    p.add_argument("-e", "--num-episodes", type=int, default=defaults.schedule.num_episodes)
+    p.add_argument("-t", "--num-trainers", type=int, default=defaults.parallel.num_trainers)
+    p.add_argument("-i", "--num-inferencer", type=int, default=defaults.schedule.num_producers)
+    p.add_argument("-g", "--num-generations", type=int, default=defaults.generation.num_generations)
+    p.add_argument("-ibs", "--inference-batch-size", type=int, default=defaults.schedule.inference_batch_size,
+                   help="Prompts each producer generates per round.")
+    p.add_argument("-imbs", "--inference-microbatch-size", type=int, default=defaults.generation.microbatch_size)
+    p.add_argument("-tbs", "--train-batch-size", type=int, default=defaults.train.batch_size,
+                   help="Prompts per optimizer step per data-parallel rank.")
+    p.add_argument("-tMbs", "--train-minibatch-size", type=int, default=defaults.train.minibatch_size)
+    p.add_argument("-tmbs", "--train-microbatch-size", type=int, default=defaults.train.microbatch_size,
+                   help="Samples per forward/backward pass.")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("-zero", "--zero-stage", type=int, default=0)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=defaults.parallel.precision)
+    p.add_argument("--ray_dir", default=None, help="Ray temporary directory.")
+    p.add_argument("--master_address", default=None, help="Join the Ray cluster started on this head node.")
+    p.add_argument("--master_port", type=int, default=defaults.run.master_port)
+    p.add_argument("-b", "--backend", default="transformers", choices=["transformers", "vllm"])
+    p.add_argument("-temp", "--temperature", type=float, default=defaults.generation.temperature)
+    p.add_argument("-topk", "--top-k", type=int, default=None)
+    p.add_argument("-topp", "--top-p", type=float, default=defaults.generation.top_p)
+    p.add_argument("-s", "--system-prompt", default=None, help="Default: the reward type's system prompt.")
+    p.add_argument("-mnt", "--max-new-tokens", type=int, default=defaults.generation.max_new_tokens)
+    p.add_argument("-mpt", "--max-prompt-tokens", type=int, default=defaults.data.max_prompt_tokens)
+    p.add_argument("-ptp", "--producer-tensor-parallel-size", type=int, default=1)
+    p.add_argument("-a", "--algo", default="GRPO", type=str.upper,
+                   choices=["GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO"])
+    p.add_argument("-lr", "--learning-rate", type=float, default=defaults.train.learning_rate)
+    p.add_argument("-kl", "--kl-coeff", type=float, default=defaults.algorithm.kl_coeff)
+    p.add_argument("-rt", "--reward-type", default="boxed", choices=["boxed", "think_answer_tags", "code"])
+    p.add_argument("--reward-fn", default=None, help="User reward plug-in: path/to/file.py:function or module:function.")
+    p.add_argument("-cv", "--code-verifier-url", default=None, help="HTTP code verifier (see README).")
+    p.add_argument("-ei", "--eval-interval", type=int, default=defaults.run.eval_interval)
+    p.add_argument("-nb", "--n-behind", type=int, default=defaults.schedule.n_behind)
+    p.add_argument("-si", "--save-interval", type=int, default=0)
+    p.add_argument("-sd", "--save-dir", default=defaults.run.save_dir, help="Parent directory of run directories.")
+    p.add_argument("-esd", "--eval-save-dir", default=None)
+    p.add_argument("-rsd", "--rollout-save-dir", default=None)
+    p.add_argument("--enable_profiling", action="store_true")
+    p.add_argument("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
+    p.add_argument("--seed", type=int, default=defaults.run.seed)
+    p.add_argument("--timeout", type=float, default=defaults.run.timeout_s, help="Seconds any single wait may take.")
+    p.add_argument("--no-wandb", action="store_true", help="Write metrics.jsonl only.")
+    return p
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """Flags whose feature is not built yet: refuse loudly rather than ignore."""
+    unsupported = {
+        "-cp/--checkpoint-path (resume)": args.checkpoint_path is not None,
+        "-si/--save-interval (checkpoints)": args.save_interval > 0,
+        "-esd/--eval-save-dir": args.eval_save_dir is not None,
+        "-rsd/--rollout-save-dir": args.rollout_save_dir is not None,
+        "--enable_profiling": args.enable_profiling,
+        "-tp/--tensor-parallel-size > 1": args.tensor_parallel_size > 1,
+        "-pp/--pipeline-parallel-size > 1": args.pipeline_parallel_size > 1,
+        "-ptp/--producer-tensor-parallel-size > 1": args.producer_tensor_parallel_size > 1,
+    }
+    if args.backend == "vllm":
+        unsupported["-b vllm (needs a GPU and pip install -e '.[gpu]')"] = True
+    named = [flag for flag, used in unsupported.items() if used]
+    if named:
+        raise UsageError(f"not yet supported: {', '.join(named)}")
+
+
+def _eval_paths(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    if args.eval_dataset is None:
+        return (("math", str(EMBEDDED_EVAL_DATA)),) if args.dataset == DataConfig().train_path else ()
+    try:
+        mapping = json.loads(args.eval_dataset)
+    except json.JSONDecodeError as error:
+        raise UsageError(f'-ed/--eval-dataset must be a JSON map like {{"task": "path.jsonl"}}: {error}') from None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise UsageError('-ed/--eval-dataset must be a JSON map of task name to jsonl path')
+    return tuple(mapping.items())
+
+
+def config_from_args(args: argparse.Namespace) -> RLConfig:
+    """Build and validate the run config; errors name the flag."""
+    from colossal_rl.presets import algorithm_preset
+
+    _refuse_unsupported(args)
+    try:
+        algorithm: AlgorithmConfig = algorithm_preset(
+            args.algo, kl_coeff=args.kl_coeff, max_new_tokens=args.max_new_tokens, n_behind=args.n_behind
+        )
+        config = RLConfig(
+            model=ModelConfig(path=args.model),
+            data=DataConfig(train_path=args.dataset, eval_paths=_eval_paths(args), system_prompt=args.system_prompt,
+                            max_prompt_tokens=args.max_prompt_tokens, seed=args.seed + 42),
+            generation=GenerationConfig(backend=args.backend, num_generations=args.num_generations,
+                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                        max_new_tokens=args.max_new_tokens,
+                                        microbatch_size=args.inference_microbatch_size,
+                                        tensor_parallel_size=args.producer_tensor_parallel_size,
+                                        stop_strings=("</answer>",) if args.reward_type == "think_answer_tags" else ()),
+            algorithm=algorithm,
+            train=TrainConfig(learning_rate=args.learning_rate, batch_size=args.train_batch_size,
+                              minibatch_size=args.train_minibatch_size, microbatch_size=args.train_microbatch_size),
+            parallel=ParallelConfig(num_trainers=args.num_trainers, tp_size=args.tensor_parallel_size,
+                                    pp_size=args.pipeline_parallel_size, zero_stage=args.zero_stage,
+                                    precision=args.precision),
+            schedule=ScheduleConfig(num_producers=args.num_inferencer, inference_batch_size=args.inference_batch_size,
+                                    num_episodes=args.num_episodes, n_behind=args.n_behind, max_steps=args.max_steps),
+            reward=RewardConfig(reward_type=args.reward_type, code_verifier_url=args.code_verifier_url,
+                                reward_fn=args.reward_fn),
+            run=RunConfig(project=args.project, save_dir=args.save_dir, eval_interval=args.eval_interval,
+                          save_interval=args.save_interval, seed=args.seed, timeout_s=args.timeout,
+                          ray_dir=args.ray_dir, master_address=args.master_address, master_port=args.master_port),
+        )
+        return config.validate()
+    except ConfigError as error:
+        flag = FIELD_FLAGS.get(error.field_path, error.field_path)
+        raise UsageError(f"{flag}: {error.message}") from None
+
+
+def check_inputs(config: RLConfig) -> None:
+    """Fail before starting Ray: datasets parse and the model directory exists (hub names are resolved later)."""
+    from pathlib import Path
+
+    from colossal_rl.data import load_jsonl_rows
+
+    load_jsonl_rows(config.data.train_path)
+    for _, path in config.data.eval_paths:
+        load_jsonl_rows(path)
+    model = config.model.path
+    looks_local = model.startswith((".", "/", "~")) or Path(model).exists() or model.count("/") != 1
+    if looks_local and not (Path(model).expanduser() / "config.json").is_file():
+        raise UsageError(f"-m/--model: no model directory with a config.json at {model!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    from colossal_rl.data import DataError
+    from colossal_rl.launch import RunFailed, run_training
+
+    try:
+        config = config_from_args(args)
+        check_inputs(config)
+        summary = run_training(config, use_wandb=not args.no_wandb)
+    except (UsageError, DataError, RunFailed) as error:
+        logger.error("%s", error)
+        return 2
+    except KeyboardInterrupt:
+        logger.error("interrupted; actors were shut down")
+        return 130
+    logger.info(
+        "done: %d optimizer steps in %.0fs; eval accuracy %s -> %s; run directory %s",
+        summary.steps, summary.wall_time_s, summary.eval_accuracy_before, summary.eval_accuracy_after, summary.run_dir,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

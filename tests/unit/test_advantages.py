@@ -1,0 +1,136 @@
+"""Advantage estimators: hand-computed cases and the properties every estimator must keep."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from colossal_rl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    dr_grpo_advantages,
+    grpo_advantages,
+    reinforce_advantages,
+    reinforce_ppb_advantages,
+    rloo_advantages,
+)
+
+GROUP_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_ppb"]
+
+
+def test_grpo_hand_computed():
+    # mean 0.25, centred [0.75, -0.25 x3], unbiased var = (0.5625 + 3 * 0.0625) / 3 = 0.25, std 0.5
+    advantages = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, eps=0.0)
+    assert_close(advantages, torch.tensor([1.5, -0.5, -0.5, -0.5]))
+    with_eps = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, eps=0.5)
+    assert_close(with_eps, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_dr_grpo_hand_computed():
+    advantages = dr_grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0]), group_size=2, eps=1e-6)
+    assert_close(advantages, torch.tensor([0.5, -0.5, 0.0, 0.0, -1.0, 1.0]))
+
+
+def test_rloo_hand_computed():
+    # A_0 = 1 - mean(0, 0, 0) = 1;  A_j = 0 - mean(1, 0, 0) = -1/3
+    advantages = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, eps=1e-6)
+    assert_close(advantages, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+
+
+def test_reinforce_ppb_hand_computed_divides_by_the_batch_std():
+    # group-centred [0.5, -0.5, 1, -1]; unbiased batch std = sqrt(2.5 / 3)
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    advantages = reinforce_ppb_advantages(rewards, group_size=2, eps=0.0)
+    assert_close(advantages, torch.tensor([0.5, -0.5, 1.0, -1.0]) / (2.5 / 3) ** 0.5)
+    # whitening makes the result scale-free (ColossalChat's multiply-by-std would scale it by 100)
+    assert_close(reinforce_ppb_advantages(10 * rewards, group_size=2, eps=0.0), advantages)
+
+
+def test_reinforce_hand_computed_uses_the_batch_mean():
+    advantages = reinforce_advantages(torch.tensor([1.0, 0.0, 3.0, 1.0]), group_size=2, eps=1e-6)
+    assert_close(advantages, torch.tensor([-0.25, -1.25, 1.75, -0.25]))
+
+
+def test_valid_mask_excludes_samples_from_statistics_and_advantages():
+    # valid rewards of the group: [1, 0, 0] -> mean 1/3, unbiased std sqrt(1/3)
+    rewards = torch.tensor([1.0, 0.0, 5.0, 0.0])
+    valid = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    advantages = grpo_advantages(rewards, group_size=4, eps=0.0, valid_mask=valid)
+    assert_close(advantages, torch.tensor([2 / 3, -1 / 3, 0.0, -1 / 3]) / (1 / 3) ** 0.5)
+    changed = grpo_advantages(torch.tensor([1.0, 0.0, -7.0, 0.0]), group_size=4, eps=0.0, valid_mask=valid)
+    assert_close(changed, advantages)
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
+def test_invalid_samples_get_exactly_zero(name):
+    rewards = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    valid = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    advantages = ADVANTAGE_ESTIMATORS.get(name)(rewards, 4, 1e-6, valid_mask=valid)
+    assert torch.all(advantages[~valid] == 0)
+    assert torch.all(advantages[valid] != 0)
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+def test_zero_variance_group_gets_zero_advantage_not_nan(name, eps):
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.7, 1.0, 0.0, 1.0, 1.0])
+    advantages = ADVANTAGE_ESTIMATORS.get(name)(rewards, 4, eps)
+    assert torch.isfinite(advantages).all()
+    assert torch.all(advantages[:8] == 0)
+    assert torch.all(advantages[8:] != 0)
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+def test_all_groups_constant_or_single_valid_sample_gives_zeros(name):
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    assert torch.all(estimator(torch.ones(6), 3, 0.0) == 0)
+    single = estimator(torch.tensor([1.0, 0.0, 0.0]), 3, 0.0, valid_mask=torch.tensor([1, 0, 0]))
+    assert torch.all(single == 0)
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+def test_group_advantages_sum_to_zero(name):
+    rewards = torch.rand(32, generator=torch.Generator().manual_seed(1))
+    advantages = ADVANTAGE_ESTIMATORS.get(name)(rewards, 8, 1e-6)
+    assert_close(advantages.view(4, 8).sum(-1), torch.zeros(4), atol=1e-5, rtol=0)
+
+
+def _loop_reference(name, rewards, group_size, eps, valid):
+    """Per-group python loop written straight from the formulas."""
+    out = [0.0] * len(rewards)
+    for start in range(0, len(rewards), group_size):
+        idx = [i for i in range(start, start + group_size) if valid[i]]
+        values = [rewards[i] for i in idx]
+        k = len(values)
+        if k == 0 or max(values) == min(values):
+            continue
+        mean = sum(values) / k
+        std = (sum((v - mean) ** 2 for v in values) / max(k - 1, 1)) ** 0.5
+        for i in idx:
+            if name == "grpo":
+                out[i] = (rewards[i] - mean) / (std + eps)
+            elif name == "rloo":
+                out[i] = rewards[i] - (sum(values) - rewards[i]) / (k - 1)
+            else:
+                out[i] = rewards[i] - mean
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "dr_grpo"])
+def test_vectorised_equals_python_loop(name):
+    generator = torch.Generator().manual_seed(2)
+    rewards = torch.randint(0, 3, (40,), generator=generator).float() / 2
+    valid = torch.rand(40, generator=generator) > 0.25
+    expected = _loop_reference(name, rewards.tolist(), 5, 1e-6, valid.tolist())
+    assert_close(ADVANTAGE_ESTIMATORS.get(name)(rewards, 5, 1e-6, valid_mask=valid), expected)
+
+
+def test_reinforce_ppb_equals_python_loop():
+    generator = torch.Generator().manual_seed(3)
+    rewards = torch.rand(24, generator=generator)
+    centred = _loop_reference("dr_grpo", rewards.tolist(), 4, 0.0, [True] * 24)
+    std = (sum(a**2 for a in centred.tolist()) / 23) ** 0.5
+    assert_close(reinforce_ppb_advantages(rewards, 4, 1e-6), centred / (std + 1e-6))
+
+
+def test_groups_must_tile_the_batch():
+    with pytest.raises(ValueError, match="not a whole number of groups of 4"):
+        grpo_advantages(torch.zeros(6), group_size=4, eps=1e-6)

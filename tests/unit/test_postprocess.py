@@ -1,0 +1,92 @@
+"""postprocess_rollout: reward shaping, masking, dynamic sampling and advantages on a RolloutBatch."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from colossal_rl.algorithms import grpo_advantages
+from colossal_rl.batch import RolloutBatch
+from colossal_rl.config import AlgorithmConfig
+from colossal_rl.rollout.postprocess import postprocess_rollout
+
+GROUP = 4
+MAX_NEW_TOKENS = 8
+
+
+def _batch(rewards, correct, lengths, truncated=None, loss_mask=None):
+    n = len(rewards)
+    lengths = torch.tensor(lengths)
+    return RolloutBatch(
+        prompt_ids=torch.ones(n, 3, dtype=torch.long),
+        prompt_mask=torch.ones(n, 3, dtype=torch.long),
+        response_ids=torch.ones(n, MAX_NEW_TOKENS, dtype=torch.long),
+        response_mask=(torch.arange(MAX_NEW_TOKENS)[None, :] < lengths[:, None]).long(),
+        behaviour_logprobs=torch.zeros(n, MAX_NEW_TOKENS),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        answer_correct=torch.tensor(correct, dtype=torch.float32),
+        loss_mask=torch.ones(n) if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32),
+        truncated=torch.zeros(n, dtype=torch.bool) if truncated is None else torch.tensor(truncated),
+        group_size=GROUP,
+        policy_version=0,
+        prompts=[f"prompt {i}" for i in range(n // GROUP)],
+        responses=[f"response {i}" for i in range(n)],
+        data_indices=list(range(n // GROUP)),
+    )
+
+
+def test_plain_grpo_attaches_group_advantages():
+    batch = _batch([1, 0, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 1, 1, 0, 0], [3] * 8)
+    processed, metrics = postprocess_rollout(batch, AlgorithmConfig(), MAX_NEW_TOKENS)
+    assert_close(processed.advantages, grpo_advantages(batch.rewards, GROUP, 1e-6))
+    assert metrics["rollout/accuracy"] == 3 / 8 and metrics["rollout/reward_mean"] == 3 / 8
+    assert metrics["rollout/groups"] == 2 and metrics["rollout/groups_filtered"] == 0
+
+
+def test_infra_errors_stay_out_of_advantages_and_metrics():
+    batch = _batch([1, 0, 0, 0], [1, 0, 0, 0], [3] * 4, loss_mask=[1, 1, 1, 0])
+    processed, metrics = postprocess_rollout(batch, AlgorithmConfig(), MAX_NEW_TOKENS)
+    expected = grpo_advantages(batch.rewards, GROUP, 1e-6, valid_mask=batch.loss_mask)
+    assert_close(processed.advantages, expected)
+    assert processed.advantages[3] == 0
+    assert metrics["rollout/accuracy"] == pytest.approx(1 / 3)
+
+
+def test_soft_over_length_punishment_shapes_the_advantages_not_the_rewards():
+    algo = AlgorithmConfig(soft_over_length_punishment=True, cache_length=4)
+    batch = _batch([1, 1, 1, 1], [1, 1, 1, 1], [2, 4, 6, 8])  # penalties 0, 0, -0.5, -1
+    processed, metrics = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
+    assert_close(processed.rewards, batch.rewards)
+    shaped = torch.tensor([1.0, 1.0, 0.5, 0.0])
+    assert_close(processed.advantages, grpo_advantages(shaped, GROUP, algo.advantage_eps))
+    assert metrics["rollout/over_length_penalty_mean"] == -1.5 / 4
+
+
+def test_truncated_responses_leave_the_loss():
+    algo = AlgorithmConfig(filter_truncated_response=True)
+    batch = _batch([1, 0, 0, 1], [1, 0, 0, 1], [3, 3, 8, 8], truncated=[False, False, True, True])
+    processed, metrics = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
+    assert processed.loss_mask.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert_close(processed.advantages, torch.tensor([0.7071, -0.7071, 0.0, 0.0]), atol=1e-4, rtol=0)
+    assert metrics["rollout/loss_masked_fraction"] == 0.5
+
+
+def test_dynamic_sampling_drops_groups_with_uniform_accuracy():
+    algo = AlgorithmConfig(filter_range=(0.01, 0.99), advantage_estimator="reinforce_ppb")
+    correct = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0]
+    batch = _batch([float(c) for c in correct], correct, [3] * 16)
+    processed, metrics = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
+    assert processed.num_groups == 2
+    assert processed.prompts == ["prompt 1", "prompt 3"] and processed.data_indices == [1, 3]
+    assert processed.responses == [f"response {i}" for i in (4, 5, 6, 7, 12, 13, 14, 15)]
+    # batch-level statistics see only the kept groups: group-centred rewards over the batch std
+    centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])
+    assert_close(processed.advantages, centred / (centred.square().sum() / 7).sqrt())
+    assert metrics["rollout/groups_filtered"] == 2
+
+
+def test_no_surviving_group_gives_none():
+    algo = AlgorithmConfig(filter_range=(0.01, 0.99))
+    batch = _batch([1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0], [3] * 8)
+    processed, metrics = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
+    assert processed is None
+    assert metrics["rollout/groups_filtered"] == 2 and metrics["rollout/accuracy"] == 0.5
