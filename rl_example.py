@@ -83,14 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--num-trainers", type=int, default=defaults.parallel.num_trainers)
     p.add_argument("-i", "--num-inferencer", type=int, default=defaults.schedule.num_producers)
     p.add_argument("-g", "--num-generations", type=int, default=defaults.generation.num_generations)
-    p.add_argument("-ibs", "--inference-batch-size", type=int, default=defaults.schedule.inference_batch_size,
-                   help="Prompts each producer generates per round.")
+    p.add_argument(
+        "-ibs",
+        "--inference-batch-size",
+        type=int,
+        default=defaults.schedule.inference_batch_size,
+        help="Prompts each producer generates per round.",
+    )
     p.add_argument("-imbs", "--inference-microbatch-size", type=int, default=defaults.generation.microbatch_size)
-    p.add_argument("-tbs", "--train-batch-size", type=int, default=defaults.train.batch_size,
-                   help="Prompts per optimizer step per data-parallel rank.")
+    p.add_argument(
+        "-tbs",
+        "--train-batch-size",
+        type=int,
+        default=defaults.train.batch_size,
+        help="Prompts per optimizer step per data-parallel rank.",
+    )
     p.add_argument("-tMbs", "--train-minibatch-size", type=int, default=defaults.train.minibatch_size)
-    p.add_argument("-tmbs", "--train-microbatch-size", type=int, default=defaults.train.microbatch_size,
-                   help="Samples per forward/backward pass.")
+    p.add_argument(
+        "-tmbs",
+        "--train-microbatch-size",
+        type=int,
+        default=defaults.train.microbatch_size,
+        help="Samples per forward/backward pass.",
+    )
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     p.add_argument("-zero", "--zero-stage", type=int, default=0)
@@ -106,12 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-mnt", "--max-new-tokens", type=int, default=defaults.generation.max_new_tokens)
     p.add_argument("-mpt", "--max-prompt-tokens", type=int, default=defaults.data.max_prompt_tokens)
     p.add_argument("-ptp", "--producer-tensor-parallel-size", type=int, default=1)
-    p.add_argument("-a", "--algo", default="GRPO", type=str.upper,
-                   choices=["GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO"])
+    p.add_argument(
+        "-a",
+        "--algo",
+        default="GRPO",
+        type=str.upper,
+        choices=["GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO"],
+    )
     p.add_argument("-lr", "--learning-rate", type=float, default=defaults.train.learning_rate)
     p.add_argument("-kl", "--kl-coeff", type=float, default=defaults.algorithm.kl_coeff)
     p.add_argument("-rt", "--reward-type", default="boxed", choices=["boxed", "think_answer_tags", "code"])
-    p.add_argument("--reward-fn", default=None, help="User reward plug-in: path/to/file.py:function or module:function.")
+    p.add_argument(
+        "--reward-fn", default=None, help="User reward plug-in: path/to/file.py:function or module:function."
+    )
     p.add_argument("-cv", "--code-verifier-url", default=None, help="HTTP code verifier (see README).")
     p.add_argument("-ei", "--eval-interval", type=int, default=defaults.run.eval_interval)
     p.add_argument("-nb", "--n-behind", type=int, default=defaults.schedule.n_behind)
@@ -154,7 +176,7 @@ def _eval_paths(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     except json.JSONDecodeError as error:
         raise UsageError(f'-ed/--eval-dataset must be a JSON map like {{"task": "path.jsonl"}}: {error}') from None
     if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
-        raise UsageError('-ed/--eval-dataset must be a JSON map of task name to jsonl path')
+        raise UsageError("-ed/--eval-dataset must be a JSON map of task name to jsonl path")
     return tuple(mapping.items())
 
 
@@ -169,27 +191,59 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
         )
         config = RLConfig(
             model=ModelConfig(path=args.model),
-            data=DataConfig(train_path=args.dataset, eval_paths=_eval_paths(args), system_prompt=args.system_prompt,
-                            max_prompt_tokens=args.max_prompt_tokens, seed=args.seed + 42),
-            generation=GenerationConfig(backend=args.backend, num_generations=args.num_generations,
-                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                        max_new_tokens=args.max_new_tokens,
-                                        microbatch_size=args.inference_microbatch_size,
-                                        tensor_parallel_size=args.producer_tensor_parallel_size,
-                                        stop_strings=("</answer>",) if args.reward_type == "think_answer_tags" else ()),
+            data=DataConfig(
+                train_path=args.dataset,
+                eval_paths=_eval_paths(args),
+                system_prompt=args.system_prompt,
+                max_prompt_tokens=args.max_prompt_tokens,
+                seed=args.seed + 42,
+            ),
+            generation=GenerationConfig(
+                backend=args.backend,
+                num_generations=args.num_generations,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                max_new_tokens=args.max_new_tokens,
+                microbatch_size=args.inference_microbatch_size,
+                tensor_parallel_size=args.producer_tensor_parallel_size,
+                stop_strings=("</answer>",) if args.reward_type == "think_answer_tags" else (),
+            ),
             algorithm=algorithm,
-            train=TrainConfig(learning_rate=args.learning_rate, batch_size=args.train_batch_size,
-                              minibatch_size=args.train_minibatch_size, microbatch_size=args.train_microbatch_size),
-            parallel=ParallelConfig(num_trainers=args.num_trainers, tp_size=args.tensor_parallel_size,
-                                    pp_size=args.pipeline_parallel_size, zero_stage=args.zero_stage,
-                                    precision=args.precision),
-            schedule=ScheduleConfig(num_producers=args.num_inferencer, inference_batch_size=args.inference_batch_size,
-                                    num_episodes=args.num_episodes, n_behind=args.n_behind, max_steps=args.max_steps),
-            reward=RewardConfig(reward_type=args.reward_type, code_verifier_url=args.code_verifier_url,
-                                reward_fn=args.reward_fn),
-            run=RunConfig(project=args.project, save_dir=args.save_dir, eval_interval=args.eval_interval,
-                          save_interval=args.save_interval, seed=args.seed, timeout_s=args.timeout,
-                          ray_dir=args.ray_dir, master_address=args.master_address, master_port=args.master_port),
+            train=TrainConfig(
+                learning_rate=args.learning_rate,
+                batch_size=args.train_batch_size,
+                minibatch_size=args.train_minibatch_size,
+                microbatch_size=args.train_microbatch_size,
+            ),
+            parallel=ParallelConfig(
+                num_trainers=args.num_trainers,
+                tp_size=args.tensor_parallel_size,
+                pp_size=args.pipeline_parallel_size,
+                zero_stage=args.zero_stage,
+                precision=args.precision,
+            ),
+            schedule=ScheduleConfig(
+                num_producers=args.num_inferencer,
+                inference_batch_size=args.inference_batch_size,
+                num_episodes=args.num_episodes,
+                n_behind=args.n_behind,
+                max_steps=args.max_steps,
+            ),
+            reward=RewardConfig(
+                reward_type=args.reward_type, code_verifier_url=args.code_verifier_url, reward_fn=args.reward_fn
+            ),
+            run=RunConfig(
+                project=args.project,
+                save_dir=args.save_dir,
+                eval_interval=args.eval_interval,
+                save_interval=args.save_interval,
+                seed=args.seed,
+                timeout_s=args.timeout,
+                ray_dir=args.ray_dir,
+                master_address=args.master_address,
+                master_port=args.master_port,
+            ),
         )
         return config.validate()
     except ConfigError as error:
@@ -230,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     logger.info(
         "done: %d optimizer steps in %.0fs; eval accuracy %s -> %s; run directory %s",
-        summary.steps, summary.wall_time_s, summary.eval_accuracy_before, summary.eval_accuracy_after, summary.run_dir,
+        summary.steps,
+        summary.wall_time_s,
+        summary.eval_accuracy_before,
+        summary.eval_accuracy_after,
+        summary.run_dir,
     )
     return 0
 

@@ -68,7 +68,10 @@ class BufferActor:
         return self._buffer.take(round_index, dp_rank, trainer_version)
 
     async def stats(self) -> dict[str, int]:
-        return {"dropped_stale_groups": self._buffer.dropped_stale_groups, "pooled_groups": self._buffer.pooled_groups()}
+        return {
+            "dropped_stale_groups": self._buffer.dropped_stale_groups,
+            "pooled_groups": self._buffer.pooled_groups(),
+        }
 
 
 def assemble_steps(assignment: Assignment, groups_per_step: int, pad_token_id: int) -> list[RolloutBatch]:

@@ -81,7 +81,9 @@ class PromptDataset:
         return len(self.rows)
 
 
-def load_prompt_dataset(path: str | Path, tokenizer, system_prompt: str | None, max_prompt_tokens: int) -> PromptDataset:
+def load_prompt_dataset(
+    path: str | Path, tokenizer, system_prompt: str | None, max_prompt_tokens: int
+) -> PromptDataset:
     """Load and encode a prompt file; a prompt longer than ``max_prompt_tokens`` is an error naming its line."""
     rows = load_jsonl_rows(path)
     prompt_ids = []

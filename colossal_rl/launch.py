@@ -126,7 +126,9 @@ class Driver:
 
     def named(self, method: str, actors: str, *args) -> list[tuple[str, ray.ObjectRef]]:
         group = self.trainers if actors == "trainer" else self.producers
-        return [(f"{actors} {rank} ({method})", getattr(actor, method).remote(*args)) for rank, actor in enumerate(group)]
+        return [
+            (f"{actors} {rank} ({method})", getattr(actor, method).remote(*args)) for rank, actor in enumerate(group)
+        ]
 
     def start(self) -> None:
         started = time.perf_counter()
@@ -160,7 +162,9 @@ class Driver:
         n_behind = self.config.schedule.n_behind
         eval_interval = self.config.run.eval_interval
         before = self.evaluate()
-        pending_produce = {r: self.named("produce", "producer", r, self.buffer) for r in range(min(n_behind + 1, rounds))}
+        pending_produce = {
+            r: self.named("produce", "producer", r, self.buffer) for r in range(min(n_behind + 1, rounds))
+        }
         next_eval = eval_interval
         progress = tqdm(total=rounds * self.config.steps_per_round, desc="optimizer steps", unit="step")
         for round_index in range(rounds):
@@ -174,8 +178,14 @@ class Driver:
                 + self.named("receive_weights", "producer", round_index + 1),
                 self.timeout,
             )
-            self.metrics.log("sync", self.step, {"time/sync_s": time.perf_counter() - sync_started,
-                                                 "time/round_s": time.perf_counter() - round_started})
+            self.metrics.log(
+                "sync",
+                self.step,
+                {
+                    "time/sync_s": time.perf_counter() - sync_started,
+                    "time/round_s": time.perf_counter() - round_started,
+                },
+            )
             if eval_interval and self.step >= next_eval and round_index < rounds - 1:
                 self.evaluate()
                 next_eval = (self.step // eval_interval + 1) * eval_interval
@@ -194,8 +204,9 @@ class Driver:
         self.dropped_stale_groups += first["dropped_stale_groups"]
         for step_index, rank0_metrics in enumerate(first["steps"]):
             self.step += 1
-            merged = {k: sum(r["steps"][step_index][k] for r in trainer_results) / len(trainer_results)
-                      for k in rank0_metrics}
+            merged = {
+                k: sum(r["steps"][step_index][k] for r in trainer_results) / len(trainer_results) for k in rank0_metrics
+            }
             merged["train/loss"] = rank0_metrics["train/loss"]  # already the global loss
             merged["buffer/dropped_stale_groups"] = self.dropped_stale_groups
             self.metrics.log("train", self.step, merged)

@@ -116,7 +116,9 @@ class Producer:
         row_indices = self.schedule.rows_for(round_index, self.rank)
         group_size = self.config.generation.num_generations
         torch.manual_seed(self.config.run.seed * 1_000_003 + round_index * 1009 + self.rank)
-        output = self._generate([self.train_data.prompt_ids[i] for i in row_indices], group_size, self._train_sampling())
+        output = self._generate(
+            [self.train_data.prompt_ids[i] for i in row_indices], group_size, self._train_sampling()
+        )
         generate_seconds = time.perf_counter() - started
         rows = [self.train_data.rows[i] for i in row_indices for _ in range(group_size)]
         records = self._score(output.responses, rows)
@@ -186,8 +188,14 @@ class Producer:
         rows = [dataset.rows[i] for i in indices]
         scored = self.reward_scorer.score_batch(output.responses, rows)
         records = [
-            {"index": i, "response": text, "gt_answer": row.get("gt_answer"), "reward": rec.reward,
-             "correct": rec.answer_ok, "status": rec.status}
+            {
+                "index": i,
+                "response": text,
+                "gt_answer": row.get("gt_answer"),
+                "reward": rec.reward,
+                "correct": rec.answer_ok,
+                "status": rec.status,
+            }
             for i, text, row, rec in zip(indices, output.responses, rows, scored, strict=True)
         ]
         accuracy = sum(r["correct"] for r in records) / len(records)

@@ -88,7 +88,9 @@ class TransformersBackend:
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
+            kwargs.update(
+                do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p
+            )
         if sampling.stop_strings:
             kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=self.tokenizer)
         output = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)

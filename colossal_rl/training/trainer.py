@@ -51,7 +51,9 @@ class Trainer:
         launch_colossalai(self.rank, self.world_size, self.master_addr, self.master_port, on_cpu=self.on_cpu)
         torch.manual_seed(self.config.run.seed)
         parallel, train = self.config.parallel, self.config.train
-        self.plugin = make_plugin(parallel, microbatch_size=train.microbatch_size, max_norm=train.max_norm, on_cpu=self.on_cpu)
+        self.plugin = make_plugin(
+            parallel, microbatch_size=train.microbatch_size, max_norm=train.max_norm, on_cpu=self.on_cpu
+        )
         self.booster = Booster(plugin=self.plugin)
         dtype = _DTYPES[parallel.precision]
         model = AutoModelForCausalLM.from_pretrained(self.config.model.path, torch_dtype=torch.float32)
@@ -110,7 +112,11 @@ class Trainer:
             if self.reference_model is not None:
                 with torch.no_grad():
                     ref_logprobs = self._response_logprobs(
-                        self.reference_model, input_ids[part], attention_mask[part], prompt_len, batch.response_ids[part]
+                        self.reference_model,
+                        input_ids[part],
+                        attention_mask[part],
+                        prompt_len,
+                        batch.response_ids[part],
                     )
             loss, metrics = policy_objective(
                 new_logprobs=new_logprobs,

@@ -1,6 +1,7 @@
 """Code rewards on real stdin/stdout problems: right, wrong, crashing and too-slow solutions; bad test data."""
 
 import pytest
+
 from colossal_rl.reward import build_reward_scorer
 from colossal_rl.reward.code_tests import TestCaseError, normalized_lines, parse_test_cases
 

@@ -12,6 +12,7 @@ import uuid
 
 import psutil
 import pytest
+
 from colossal_rl.reward import build_reward_scorer
 
 TIMEOUT_S = 2.0

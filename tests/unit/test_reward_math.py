@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from colossal_rl.reward import build_reward_scorer
 from colossal_rl.reward.extract import (
     extract_tagged_answer,

@@ -3,6 +3,7 @@
 import textwrap
 
 import pytest
+
 from colossal_rl.reward import RewardConfigError, RewardRecord, build_reward_scorer
 
 PLUGIN = textwrap.dedent(

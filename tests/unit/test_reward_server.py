@@ -12,6 +12,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
+
 from colossal_rl.reward import build_reward_scorer
 
 TOKEN = "s3cret-token-for-tests"

@@ -1,0 +1,132 @@
+"""The whole system on CPU: 2 producers + 2 trainers (dp=2) on the embedded model."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
+from colossal_rl.metrics import MetricsLogger, read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+
+def small_config(tmp_path: Path) -> RLConfig:
+    return RLConfig(
+        generation=GenerationConfig(num_generations=4, microbatch_size=8),
+        train=TrainConfig(batch_size=4, minibatch_size=4, microbatch_size=16, learning_rate=2e-4),
+        parallel=ParallelConfig(num_trainers=2),
+        schedule=ScheduleConfig(num_producers=2, inference_batch_size=8, n_behind=1, max_steps=4),
+        run=RunConfig(save_dir=str(tmp_path), eval_interval=0, timeout_s=120),
+    ).validate()
+
+
+def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
+    import ray
+
+    from colossal_rl.launch import Driver, init_ray, make_run_dir
+
+    config = small_config(tmp_path)
+    assert config.steps_per_round == 2
+    init_ray(config)
+    run_dir = make_run_dir(config)
+    metrics = MetricsLogger(run_dir, "test", {}, use_wandb=False)
+    driver = Driver(config, run_dir, metrics)
+    try:
+        driver.start()
+        initial = ray.get(driver.producers[0].named_weights.remote())
+        driver.run(rounds=2)
+        assert driver.step == 4
+        trainer_weights = ray.get(driver.trainers[0].full_state_dict.remote())
+        for producer in driver.producers:
+            producer_weights = ray.get(producer.named_weights.remote())
+            assert producer_weights.keys() == trainer_weights.keys()
+            for name, tensor in trainer_weights.items():
+                assert torch.equal(producer_weights[name], tensor), name
+        assert any(not torch.equal(initial[n], trainer_weights[n]) for n in trainer_weights), "training changed nothing"
+
+        # A round whose batches were sampled 2 versions ago (n_behind = 1) is dropped, not trained on.
+        for rank in range(2):
+            ray.get(driver.buffer.put.remote(2, rank, [], 8, 0))
+        results = ray.get([t.train_round.remote(2, driver.buffer) for t in driver.trainers], timeout=60)
+        assert all(r["steps"] == [] for r in results)
+        assert results[0]["dropped_stale_groups"] == 16
+    finally:
+        driver.shutdown()
+        metrics.close()
+        ray.shutdown()
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["train/loss"]) for r in train)
+    assert all(0.0 <= r["train/reward"] <= 1.0 for r in train)
+    versions = [r["rollout/policy_version"] for r in records if r["kind"] == "rollout"]
+    assert versions == [0, 0, 0, 0]  # rounds 0 and 1 are sampled before the first sync (n_behind = 1)
+    staleness = [r["train/staleness"] for r in train]
+    assert staleness == [0.0, 0.0, 1.0, 1.0]
+
+
+def _ray_worker_pids() -> set[int]:
+    pids = set()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "ray::" in cmdline or "default_worker.py" in cmdline or "raylet" in cmdline:
+            pids.add(proc.info["pid"])
+    return pids
+
+
+def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
+    before = _ray_worker_pids()
+    command = [
+        sys.executable,
+        "rl_example.py",
+        "-t",
+        "2",
+        "-i",
+        "2",
+        "-g",
+        "4",
+        "-ibs",
+        "8",
+        "-imbs",
+        "8",
+        "-tbs",
+        "4",
+        "-tMbs",
+        "4",
+        "-tmbs",
+        "16",
+        "--max-steps",
+        "6",
+        "-ei",
+        "4",
+        "-sd",
+        str(tmp_path),
+        "--no-wandb",
+        "--timeout",
+        "120",
+    ]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = list(tmp_path.iterdir())
+    records = read_metrics(run_dir / "metrics.jsonl")
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4, 6]
+    assert evals[-1]["eval/math_accuracy"] > evals[0]["eval/math_accuracy"]
+    assert all(math.isfinite(r["train/loss"]) for r in records if r["kind"] == "train")
+    deadline = time.monotonic() + 15  # worker processes exit asynchronously after ray.shutdown()
+    while (leftover := _ray_worker_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not leftover, f"Ray processes left behind: {leftover}"
