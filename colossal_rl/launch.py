@@ -83,12 +83,12 @@ def init_ray(config: RLConfig) -> None:
 
 
 def total_rounds(config: RLConfig, num_rows: int) -> int:
-    from colossal_rl.data import EpisodeSchedule
+    from colossal_rl.data import DataError, EpisodeSchedule
 
     schedule = EpisodeSchedule(num_rows, config.schedule.num_producers, config.schedule.inference_batch_size, 0)
     if schedule.rounds_per_episode == 0:
-        raise ValueError(
-            f"the training set has {num_rows} prompts, fewer than one round needs "
+        raise DataError(
+            f"{config.data.train_path}: the training set has {num_rows} prompts, fewer than one round needs "
             f"(-i {config.schedule.num_producers} x -ibs {config.schedule.inference_batch_size})"
         )
     rounds = schedule.rounds_per_episode * config.schedule.num_episodes

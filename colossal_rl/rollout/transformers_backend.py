@@ -118,6 +118,13 @@ class TransformersBackend:
         unknown = sorted(set(named_tensors) - set(own))
         if unknown:
             raise KeyError(f"weights not in the producer's model: {unknown[:5]}")
+        misshapen = [
+            (name, tuple(tensor.shape), tuple(own[name].shape))
+            for name, tensor in named_tensors.items()
+            if tensor.shape != own[name].shape
+        ]
+        if misshapen:
+            raise ValueError(f"weights with the wrong shape (name, got, expected): {misshapen[:5]}")
         for name, tensor in named_tensors.items():
             own[name].copy_(tensor)
 

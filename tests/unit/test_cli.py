@@ -1,0 +1,275 @@
+"""rl_example.py: flags -> validated config, errors that name the flag, and input checks that fail before Ray."""
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from colossal_rl.config import EMBEDDED_EVAL_DATA, EMBEDDED_TRAIN_DATA, RLConfig
+from colossal_rl.presets import algorithm_preset
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
+
+from rl_example import UsageError, build_parser, check_inputs, config_from_args, main  # noqa: E402
+
+HEAVY_MODULES = ("ray", "colossalai", "vllm")
+
+
+def config_for(*argv: str) -> RLConfig:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def usage_error(*argv: str) -> str:
+    with pytest.raises(UsageError) as caught:
+        config_for(*argv)
+    return str(caught.value)
+
+
+# --- valid configs -------------------------------------------------------------------------------------------
+
+
+def test_defaults_build_the_default_config():
+    config = config_for()
+    defaults = RLConfig()
+    for field in dataclasses.fields(RLConfig):
+        if field.name != "algorithm":
+            assert getattr(config, field.name) == getattr(defaults, field.name), field.name
+    # The algorithm comes from the GRPO preset, parametrised by the run's own defaults.
+    assert config.algorithm == algorithm_preset(
+        "GRPO",
+        kl_coeff=defaults.algorithm.kl_coeff,
+        max_new_tokens=defaults.generation.max_new_tokens,
+        n_behind=defaults.schedule.n_behind,
+    )
+    assert config.data.eval_paths == (("math", str(EMBEDDED_EVAL_DATA)),)
+
+
+@pytest.mark.parametrize("name", ["GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO"])
+def test_every_algorithm_preset_builds_a_valid_config(name):
+    config = config_for("-a", name, "-kl", "0.01", "-mnt", "64", "-nb", "0")
+    assert config.algorithm == algorithm_preset(name, kl_coeff=0.01, max_new_tokens=64, n_behind=0)
+    assert config.algorithm.name == name
+    assert config.validate() is config
+
+
+def test_algorithm_name_is_case_insensitive():
+    assert config_for("-a", "dapo").algorithm.name == "DAPO"
+
+
+def test_flags_reach_their_fields():
+    config = config_for(
+        *("-i", "2", "-ibs", "8", "-imbs", "4", "-tbs", "4", "-tMbs", "2", "-tmbs", "4", "-t", "2", "-g", "4"),
+        *("-temp", "0.7", "-topk", "5", "-lr", "1e-5", "-e", "3", "--max-steps", "7", "-rt", "think_answer_tags"),
+    )
+    assert (config.schedule.num_producers, config.schedule.inference_batch_size) == (2, 8)
+    assert (config.train.batch_size, config.train.minibatch_size, config.train.microbatch_size) == (4, 2, 4)
+    assert (config.parallel.num_trainers, config.parallel.dp_size) == (2, 2)
+    assert (config.generation.num_generations, config.generation.microbatch_size) == (4, 4)
+    assert (config.generation.temperature, config.generation.top_k) == (0.7, 5)
+    assert config.generation.stop_strings == ("</answer>",)
+    assert (config.train.learning_rate, config.schedule.num_episodes, config.schedule.max_steps) == (1e-5, 3, 7)
+    assert config.steps_per_round == 2  # 2 producers * 8 prompts / (2 ranks * 4 prompts)
+
+
+def test_a_custom_dataset_has_no_default_eval_set_and_eval_flag_is_parsed():
+    assert config_for("-d", "train.jsonl").data.eval_paths == ()
+    config = config_for("-d", "train.jsonl", "-ed", json.dumps({"gsm": "a.jsonl", "math": "b.jsonl"}))
+    assert config.data.eval_paths == (("gsm", "a.jsonl"), ("math", "b.jsonl"))
+
+
+# --- batch-size arithmetic: the message names the flags and the numbers ------------------------------------
+
+
+def test_global_batch_not_divisible_by_train_batch():
+    message = usage_error("-i", "1", "-ibs", "12", "-imbs", "4", "-tbs", "8", "-tMbs", "8")
+    assert message.startswith("-ibs/--inference-batch-size:")
+    assert "1*12 = 12" in message and "1*8 = 8" in message
+
+
+def test_trainer_count_enters_the_global_batch_check():
+    message = usage_error("-t", "3")
+    assert message.startswith("-ibs/--inference-batch-size:")
+    assert "1*16 = 16" in message and "3*16 = 48" in message
+
+
+def test_train_batch_not_divisible_by_minibatch():
+    message = usage_error("-tbs", "16", "-tMbs", "6")
+    assert message.startswith("-tMbs/--train-minibatch-size:")
+    assert "16" in message and "6" in message
+
+
+def test_microbatch_larger_than_minibatch_samples():
+    message = usage_error("-tMbs", "1", "-g", "2", "-tmbs", "8")
+    assert message.startswith("-tmbs/--train-microbatch-size:")
+    assert "microbatch 8" in message and "minibatch 1 prompts x 2 generations" in message
+
+
+def test_inference_microbatch_larger_than_inference_batch():
+    message = usage_error("-imbs", "32", "-ibs", "16")
+    assert message.startswith("-imbs/--inference-microbatch-size:")
+    assert "32" in message and "16" in message
+
+
+def test_default_inference_microbatch_is_checked_against_a_smaller_inference_batch():
+    # -imbs defaults to 16, so -ibs 12 alone names the microbatch flag the user did not type.
+    message = usage_error("-i", "1", "-ibs", "12", "-tbs", "8")
+    assert message.startswith("-imbs/--inference-microbatch-size:")
+    assert "16" in message and "12" in message
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["-g", "0"], "-g/--num-generations"),
+        (["-temp", "0"], "-temp/--temperature"),
+        (["-zero", "3"], "-zero/--zero-stage"),
+        (["--timeout", "0"], "--timeout"),
+        (["-nb", "-1"], "-nb/--n-behind"),
+    ],
+)
+def test_single_field_errors_name_the_flag(argv, flag):
+    assert usage_error(*argv).startswith(f"{flag}:")
+
+
+# --- features not built yet are refused, never ignored -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["-cp", "x"], "-cp/--checkpoint-path"),
+        (["-si", "5"], "-si/--save-interval"),
+        (["--enable_profiling"], "--enable_profiling"),
+        (["-b", "vllm"], "-b vllm"),
+        (["-pp", "2"], "-pp/--pipeline-parallel-size"),
+        (["-t", "3", "-tp", "2"], "-tp/--tensor-parallel-size"),
+        (["-ptp", "2"], "-ptp/--producer-tensor-parallel-size"),
+        (["-esd", "evals"], "-esd/--eval-save-dir"),
+        (["-rsd", "rollouts"], "-rsd/--rollout-save-dir"),
+    ],
+)
+def test_unsupported_flags_are_refused_by_name(argv, flag):
+    message = usage_error(*argv)
+    assert message.startswith("not yet supported: ")
+    assert flag in message
+
+
+def test_all_unsupported_flags_are_named_at_once():
+    message = usage_error("-cp", "x", "-pp", "2")
+    assert "-cp/--checkpoint-path" in message and "-pp/--pipeline-parallel-size" in message
+
+
+@pytest.mark.parametrize("value", ["{not json", '["a.jsonl"]', '{"math": 3}'])
+def test_eval_dataset_must_be_a_json_map(value):
+    assert usage_error("-ed", value).startswith("-ed/--eval-dataset must be a JSON map")
+
+
+# --- --help is instant: no heavy imports -------------------------------------------------------------------
+
+
+def test_help_exits_zero():
+    result = subprocess.run(
+        [sys.executable, "rl_example.py", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--inference-batch-size" in result.stdout
+
+
+def test_help_and_import_pull_in_no_distributed_stack():
+    code = (
+        "import sys, rl_example\n"
+        f"heavy = {HEAVY_MODULES!r}\n"
+        "assert not [m for m in heavy if m in sys.modules], 'import rl_example'\n"
+        "try:\n"
+        "    rl_example.main(['--help'])\n"
+        "except SystemExit as exit_:\n"
+        "    assert exit_.code == 0, exit_.code\n"
+        "assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+# --- input checks: exit code 2 and one clear log line, before Ray starts ------------------------------------
+
+
+def run_main_expecting_input_error(argv, caplog, capsys) -> str:
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        code = main(argv)
+    elapsed = time.monotonic() - started
+    assert code == 2
+    assert elapsed < 10, f"input error took {elapsed:.1f}s"
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert len(errors) == 1, [record.getMessage() for record in errors]
+    assert errors[0].exc_info is None
+    assert "Traceback" not in caplog.text
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized()
+    return errors[0].getMessage()
+
+
+def test_main_missing_dataset(tmp_path, caplog, capsys):
+    missing = tmp_path / "missing.jsonl"
+    message = run_main_expecting_input_error(["-d", str(missing), "--no-wandb"], caplog, capsys)
+    assert message == f"dataset file not found: {missing}"
+
+
+def test_main_empty_dataset(tmp_path, caplog, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    message = run_main_expecting_input_error(["-d", str(empty), "--no-wandb"], caplog, capsys)
+    assert message == f"dataset file is empty: {empty}"
+
+
+def test_main_malformed_line_names_file_and_line(tmp_path, caplog, capsys):
+    bad = tmp_path / "bad.jsonl"
+    good_row = json.dumps({"messages": {"role": "user", "content": "1+1=?"}, "gt_answer": "2"})
+    bad.write_text(f"{good_row}\n{good_row}\n{{oops\n")
+    message = run_main_expecting_input_error(["-d", str(bad), "--no-wandb"], caplog, capsys)
+    assert message.startswith(f"{bad}:3: invalid JSON")
+
+
+def test_main_malformed_eval_dataset(tmp_path, caplog, capsys):
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text('{"gt_answer": "2"}\n')
+    argv = ["-ed", json.dumps({"math": str(bad)}), "--no-wandb"]
+    message = run_main_expecting_input_error(argv, caplog, capsys)
+    assert message == f"{bad}:1: missing key 'messages'"
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/model-dir", "no/such/local/model"])
+def test_main_missing_model_directory(model, caplog, capsys):
+    message = run_main_expecting_input_error(["-m", model, "--no-wandb"], caplog, capsys)
+    assert message.startswith("-m/--model:") and repr(model) in message
+
+
+def test_main_unsupported_flag(caplog, capsys):
+    message = run_main_expecting_input_error(["-pp", "2", "--no-wandb"], caplog, capsys)
+    assert message.startswith("not yet supported:")
+
+
+def test_main_dataset_smaller_than_one_round(tmp_path, caplog, capsys):
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(EMBEDDED_TRAIN_DATA.read_text().splitlines(keepends=True)[:3]))
+    message = run_main_expecting_input_error(
+        ["-d", str(small), "--no-wandb", "-sd", str(tmp_path / "runs")], caplog, capsys
+    )
+    assert "3 prompts" in message and "-ibs 16" in message
+
+
+def test_check_inputs_accepts_a_hub_name_without_touching_the_network():
+    config = config_for("-m", "Qwen/Qwen2.5-0.5B")
+    check_inputs(config)  # hub names are resolved later, by the actors
+
+
+def test_check_inputs_passes_on_the_embedded_defaults():
+    check_inputs(config_for())
