@@ -10,7 +10,9 @@ the repository for users to read and copy, and is installed as
 from setuptools import find_packages, setup
 
 core_packages = find_packages(include=["colossal_rl", "colossal_rl.*"])
-reward_packages = ["colossal_rl.reward" + name[len("reward") :] for name in find_packages(include=["reward", "reward.*"])]
+reward_packages = [
+    "colossal_rl.reward" + name[len("reward") :] for name in find_packages(include=["reward", "reward.*"])
+]
 
 setup(
     name="colossal-rl",
