@@ -4,10 +4,13 @@ Importing this package pulls in torch only (no Ray, no ColossalAI).
 """
 
 from colossal_rl.comm.process_group import (
+    Collective,
     CollectiveError,
     CollectiveTimeoutError,
     StandaloneGroup,
+    backend_for_device,
     create_standalone_group,
+    default_device,
     find_free_port,
 )
 from colossal_rl.comm.weight_sync import (
@@ -23,13 +26,16 @@ from colossal_rl.comm.weight_sync import (
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "Collective",
     "CollectiveError",
     "CollectiveTimeoutError",
     "StandaloneGroup",
     "WeightLayout",
     "WeightReceiver",
     "WeightSender",
+    "backend_for_device",
     "create_standalone_group",
+    "default_device",
     "exchange_layout",
     "find_free_port",
     "host_as_sender",

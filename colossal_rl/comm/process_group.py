@@ -13,6 +13,18 @@ collective makes the others raise ``CollectiveTimeoutError`` rather than hang; a
 makes them raise ``CollectiveError``. After either, the group is unusable: destroy it and build a
 new one.
 
+Backends. ``Collective`` is the small interface the weight sync is written against; a
+``StandaloneGroup`` implements it for both backends, which differ in one constructor call
+(``_make_process_group``) and in how a barrier is spelled. gloo carries CPU tensors; NCCL carries
+CUDA tensors and is chosen whenever the weights live on a GPU (``backend_for_device``). For NCCL we
+use torch's own ``ProcessGroupNCCL`` over the same standalone ``TCPStore`` rather than Ray's cupy
+NCCL collectives: it is the same code path as gloo (same rendezvous, same asynchronous ``Work``
+handles with a timeout, which the bucketed sender pipelines on), it needs no cupy and no named Ray
+actor for rendezvous, and it is as independent of the default process group as Ray's NCCL groups
+(it is never registered with ``init_process_group``), so it lives next to ColossalAI's group in a
+trainer and next to vLLM's own tensor-parallel group in a producer. The NCCL branch is written for
+GPU machines and has not run on the CPU-only CI.
+
 This module holds no model or weight logic (that is ``weight_sync.py``) and imports no Ray.
 """
 
@@ -21,7 +33,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,6 +41,21 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 Backend = Literal["gloo", "nccl"]
+
+
+def backend_for_device(device: torch.device | str) -> Backend:
+    """NCCL for CUDA tensors, gloo for everything else: the one place the backend is chosen."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def device_for_backend(backend: Backend) -> str:
+    """Where tensors must live to travel over ``backend`` (``cuda`` is the current CUDA device)."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def default_device() -> str:
+    """The device a weight-sync member uses: its GPU if it has one (Ray gives GPU actors their GPUs)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class CollectiveError(RuntimeError):
@@ -56,6 +83,22 @@ class PendingCollective:
 
     def wait(self) -> None:
         self._group.wait(self._work, self._what)
+
+
+class Collective(Protocol):
+    """What the weight sync needs from a group: broadcasts with a timeout, a barrier, and closing it."""
+
+    backend: Backend
+    rank: int
+    world_size: int
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingCollective: ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class StandaloneGroup:
@@ -123,6 +166,10 @@ class StandaloneGroup:
         """Drop the process group and the store (rank 0 closes the store's server). Idempotent."""
         self._process_group = None
         self.store = None  # type: ignore[assignment]
+
+    def close(self) -> None:
+        """Same as ``destroy``: the name the ``Collective`` interface uses."""
+        self.destroy()
 
 
 def create_standalone_group(

@@ -14,6 +14,9 @@ once, and return ``name -> tensor`` views into them.
 
 With pipeline parallelism each stage sends its own keys over its own group (distinct ``name``);
 producers merge the parts with ``merge_stage_parts``. Nothing here knows about models or Ray.
+
+Every line is shared by the CPU and the GPU path: the group is any ``Collective``, and its backend
+follows the device the weights travel on (``backend_for_device``: gloo for ``cpu``, NCCL for ``cuda``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_rl.comm.process_group import Backend, PendingCollective, StandaloneGroup, create_standalone_group
+from colossal_rl.comm.process_group import (
+    Backend,
+    Collective,
+    PendingCollective,
+    backend_for_device,
+    create_standalone_group,
+    device_for_backend,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +175,7 @@ class WeightSender:
 
     def __init__(
         self,
-        group: StandaloneGroup,
+        group: Collective,
         layout: WeightLayout,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: torch.device | str = "cpu",
@@ -241,7 +251,7 @@ class WeightSender:
         return staging[: bucket.nbytes]
 
     def close(self) -> None:
-        self.group.destroy()
+        self.group.close()
 
 
 class WeightReceiver:
@@ -249,7 +259,7 @@ class WeightReceiver:
 
     def __init__(
         self,
-        group: StandaloneGroup,
+        group: Collective,
         layout: WeightLayout,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: torch.device | str = "cpu",
@@ -303,17 +313,17 @@ class WeightReceiver:
         return [self.group.broadcast_async(buffer[start:end], SENDER_RANK) for start, end in self._chunks[bucket_index]]
 
     def close(self) -> None:
-        self.group.destroy()
+        self.group.close()
 
 
 def exchange_layout(
-    group: StandaloneGroup, layout: WeightLayout | None, bucket_bytes: int | None = None
+    group: Collective, layout: WeightLayout | None, bucket_bytes: int | None = None
 ) -> tuple[WeightLayout, int]:
     """Once per run: the sender passes its layout and bucket size, receivers pass ``None`` and get them."""
     is_sender = group.rank == SENDER_RANK
     if is_sender != (layout is not None):
         raise ValueError("the sender must pass its layout; receivers must pass None")
-    device = "cuda" if group.backend == "nccl" else "cpu"
+    device = device_for_backend(group.backend)
     message = torch.empty(0, dtype=torch.uint8)
     if is_sender:
         assert layout is not None
@@ -335,15 +345,17 @@ def host_as_sender(
     world_size: int,
     state_dict: Mapping[str, torch.Tensor],
     timeout_s: float,
-    backend: Backend = "gloo",
+    backend: Backend | None = None,
     name: str = "weight_sync",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     device: torch.device | str = "cpu",
 ) -> WeightSender:
     """Host the group's store on ``host:port`` as rank 0 and send ``state_dict``'s layout to the receivers.
 
-    Every receiver calls ``join_as_receiver`` with the same address at the same time.
+    Every receiver calls ``join_as_receiver`` with the same address at the same time. ``backend``
+    defaults to the one ``device`` needs (NCCL for ``cuda``, gloo otherwise).
     """
+    backend = backend or backend_for_device(device)
     group = create_standalone_group(backend, SENDER_RANK, world_size, host, port, timeout_s, name=name)
     layout = WeightLayout.from_state_dict(state_dict)
     exchange_layout(group, layout, bucket_bytes)
@@ -357,11 +369,12 @@ def join_as_receiver(
     rank: int,
     world_size: int,
     timeout_s: float,
-    backend: Backend = "gloo",
+    backend: Backend | None = None,
     name: str = "weight_sync",
     device: torch.device | str = "cpu",
 ) -> WeightReceiver:
     """Join the group hosted by ``host_as_sender`` as ``rank`` (1 .. world_size - 1) and get the layout."""
+    backend = backend or backend_for_device(device)
     group = create_standalone_group(backend, rank, world_size, host, port, timeout_s, name=name)
     layout, bucket_bytes = exchange_layout(group, None)
     return WeightReceiver(group, layout, bucket_bytes, device)

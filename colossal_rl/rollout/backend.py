@@ -8,6 +8,7 @@ is imported only when asked for, so this module is safe without a GPU.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,14 +58,33 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend's packages are not installed."""
 
 
-def create_backend(name: str, model_path: str, *, tensor_parallel_size: int = 1, seed: int = 0) -> InferenceBackend:
-    if name == "transformers":
-        from colossal_rl.rollout.transformers_backend import TransformersBackend
+VLLM_MISSING = (
+    '-b vllm needs vLLM, which is not installed: on a machine with NVIDIA GPUs run pip install -e ".[gpu]" '
+    "(vLLM 0.7.3); or use -b transformers"
+)
 
-        return TransformersBackend(model_path)
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported, without importing it (that takes seconds and initialises CUDA)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_backend(name: str) -> None:
+    """Raise ``BackendUnavailableError`` (saying what to install) if backend ``name`` cannot run here."""
+    if name == "vllm" and not vllm_installed():
+        raise BackendUnavailableError(VLLM_MISSING)
+    if name not in ("transformers", "vllm"):
+        raise ValueError(f"unknown inference backend {name!r}; choose transformers or vllm")
+
+
+def create_backend(name: str, model_path: str, *, tensor_parallel_size: int = 1, seed: int = 0) -> InferenceBackend:
+    require_backend(name)
     if name == "vllm":
-        raise BackendUnavailableError(
-            "-b vllm: the vLLM backend is not yet supported in this build (it needs a GPU and the 'gpu' extra: "
-            "pip install -e '.[gpu]'); use -b transformers"
-        )
-    raise ValueError(f"unknown inference backend {name!r}; choose transformers or vllm")
+        from colossal_rl.rollout.vllm_backend import VllmBackend
+
+        return VllmBackend(model_path, tensor_parallel_size=tensor_parallel_size, seed=seed)
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm backend")
+    from colossal_rl.rollout.transformers_backend import TransformersBackend
+
+    return TransformersBackend(model_path)

@@ -1,0 +1,148 @@
+"""Which node each producer and trainer runs on, decided from the cluster's nodes by pure functions.
+
+On GPUs: a producer takes ``-ptp`` GPUs of one node (its vLLM tensor-parallel workers must share a
+node) and a trainer takes one GPU. GPUs are handed out in node order — the head node first, then
+the others by address — producers first, so producers fill the lower nodes and trainers the
+higher ones (on one 8-GPU node: producers on GPUs 0.., trainers on the rest). Each actor is pinned
+to its node with a hard ``NodeAffinitySchedulingStrategy`` and asks Ray for its GPUs, which makes
+Ray set ``CUDA_VISIBLE_DEVICES`` for it. Ray placement groups are not used: inside one, vLLM would
+switch to its Ray executor and ask Ray for GPUs the producer already holds.
+
+On a cluster without GPUs the same order is applied to CPUs, as a soft preference: actors ask for no
+GPUs and Ray may place them elsewhere rather than wait (a CPU actor only needs a CPU to start).
+
+``plan_placement`` is plain data in, plain data out; ``ActorPlacement.ray_options`` builds the
+``.options(...)`` keyword arguments (importing Ray only then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+LOCAL_ADDRESS = "127.0.0.1"
+
+
+class PlacementError(ValueError):
+    """The cluster cannot hold the requested producers and trainers; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    address: str
+    num_cpus: int
+    num_gpus: int
+    is_head: bool
+
+
+@dataclass(frozen=True)
+class ActorPlacement:
+    node_id: str
+    address: str
+    num_gpus: int
+    hard: bool
+    """True: the actor runs on ``node_id`` or not at all (GPUs); False: a preference (CPUs)."""
+
+    def ray_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``ActorClass.options(...)``."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {
+            "num_gpus": self.num_gpus,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=self.node_id, soft=not self.hard),
+        }
+
+
+@dataclass(frozen=True)
+class Placement:
+    producers: tuple[ActorPlacement, ...]
+    trainers: tuple[ActorPlacement, ...]
+    uses_gpus: bool
+
+    @property
+    def trainer_master_address(self) -> str:
+        """Where the trainers' process group meets: loopback if they share a node, else trainer 0's node."""
+        if len({trainer.node_id for trainer in self.trainers}) <= 1:
+            return LOCAL_ADDRESS
+        return self.trainers[0].address
+
+
+def alive_nodes(ray_nodes: Iterable[Mapping[str, Any]]) -> list[NodeInfo]:
+    """Alive nodes of ``ray.nodes()`` in placement order: the head node first, then by address and id."""
+    nodes = [
+        NodeInfo(
+            node_id=node["NodeID"],
+            address=node.get("NodeManagerAddress", LOCAL_ADDRESS),
+            num_cpus=int(node.get("Resources", {}).get("CPU", 0)),
+            num_gpus=int(node.get("Resources", {}).get("GPU", 0)),
+            is_head=HEAD_NODE_RESOURCE in node.get("Resources", {}),
+        )
+        for node in ray_nodes
+        if node.get("Alive", False)
+    ]
+    return sorted(nodes, key=lambda n: (not n.is_head, n.address, n.node_id))
+
+
+def plan_placement(nodes: list[NodeInfo], *, num_producers: int, producer_gpus: int, num_trainers: int) -> Placement:
+    """Producers (``producer_gpus`` GPUs each, on one node) then trainers (1 GPU each), first fit in node order."""
+    if not nodes:
+        raise PlacementError("the Ray cluster has no alive nodes")
+    if any(node.num_gpus > 0 for node in nodes):
+        return _plan_gpus(nodes, num_producers, producer_gpus, num_trainers)
+    if producer_gpus > 1:
+        raise PlacementError(f"-ptp {producer_gpus}: tensor-parallel producers need GPUs; the cluster has none")
+    return _plan_cpus(nodes, num_producers, num_trainers)
+
+
+def _plan_gpus(nodes: list[NodeInfo], num_producers: int, producer_gpus: int, num_trainers: int) -> Placement:
+    free = [node.num_gpus for node in nodes]
+
+    def take(count: int, what: str) -> ActorPlacement:
+        for index, node in enumerate(nodes):
+            if free[index] >= count:
+                free[index] -= count
+                return ActorPlacement(node.node_id, node.address, count, hard=True)
+        raise PlacementError(
+            f"no node has {count} free GPU(s) for {what}: {num_producers} producers x {producer_gpus} GPUs "
+            f"(one node each) + {num_trainers} trainers x 1 GPU = {num_producers * producer_gpus + num_trainers} "
+            f"GPUs wanted; the nodes have {[node.num_gpus for node in nodes]} GPUs"
+        )
+
+    producers = tuple(take(producer_gpus, f"producer {rank}") for rank in range(num_producers))
+    trainers = tuple(take(1, f"trainer {rank}") for rank in range(num_trainers))
+    return Placement(producers, trainers, uses_gpus=True)
+
+
+def _plan_cpus(nodes: list[NodeInfo], num_producers: int, num_trainers: int) -> Placement:
+    """One CPU per actor in node order; past the cluster's CPUs the rest prefer the last node."""
+    slots = [node for node in nodes for _ in range(max(node.num_cpus, 0))]
+    wanted = num_producers + num_trainers
+    slots += [nodes[-1]] * max(0, wanted - len(slots))
+    chosen = [ActorPlacement(node.node_id, node.address, 0, hard=False) for node in slots[:wanted]]
+    return Placement(tuple(chosen[:num_producers]), tuple(chosen[num_producers:]), uses_gpus=False)
+
+
+@dataclass(frozen=True)
+class ActorOptions:
+    """``.options(...)`` keyword arguments per producer and per trainer rank, and the trainers' meeting address."""
+
+    producers: list[dict[str, Any]]
+    trainers: list[dict[str, Any]]
+    trainer_master_address: str
+
+
+def actor_options(
+    ray_nodes: Iterable[Mapping[str, Any]], *, num_producers: int, producer_gpus: int, num_trainers: int
+) -> ActorOptions:
+    """From ``ray.nodes()`` to the options every actor is created with."""
+    placement = plan_placement(
+        alive_nodes(ray_nodes), num_producers=num_producers, producer_gpus=producer_gpus, num_trainers=num_trainers
+    )
+    return ActorOptions(
+        producers=[p.ray_options() for p in placement.producers],
+        trainers=[t.ray_options() for t in placement.trainers],
+        trainer_master_address=placement.trainer_master_address,
+    )

@@ -1,0 +1,159 @@
+"""Placement: pure planning from ``ray.nodes()``-shaped dicts, and the options it produces honoured by Ray on a
+simulated two-node cluster (``ray.cluster_utils.Cluster``; GPUs there are logical resources, no CUDA needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from colossal_rl.placement import (
+    HEAD_NODE_RESOURCE,
+    LOCAL_ADDRESS,
+    NodeInfo,
+    PlacementError,
+    actor_options,
+    alive_nodes,
+    plan_placement,
+)
+
+
+def ray_node(node_id: str, *, gpus: int = 0, cpus: int = 8, head: bool = False, alive: bool = True, address=None):
+    resources = {"CPU": float(cpus), f"node:{address or '10.0.0.' + node_id}": 1.0}
+    if gpus:
+        resources["GPU"] = float(gpus)
+    if head:
+        resources[HEAD_NODE_RESOURCE] = 1.0
+    return {
+        "NodeID": node_id,
+        "Alive": alive,
+        "NodeManagerAddress": address or f"10.0.0.{node_id}",
+        "Resources": resources,
+    }
+
+
+def nodes(*gpus_per_node: int) -> list[NodeInfo]:
+    return [NodeInfo(f"n{i}", f"10.0.0.{i}", 8, gpus, is_head=i == 0) for i, gpus in enumerate(gpus_per_node)]
+
+
+def node_ids(placements) -> list[str]:
+    return [p.node_id for p in placements]
+
+
+def test_alive_nodes_head_first_then_by_address_dead_dropped():
+    listed = [ray_node("3"), ray_node("2", head=True), ray_node("1"), ray_node("4", alive=False)]
+    ordered = alive_nodes(listed)
+    assert [n.node_id for n in ordered] == ["2", "1", "3"]
+    assert ordered[0].is_head and ordered[0].num_cpus == 8
+
+
+def test_single_node_eight_gpus_producers_first():
+    placement = plan_placement(nodes(8), num_producers=4, producer_gpus=1, num_trainers=4)
+    assert placement.uses_gpus
+    assert [p.num_gpus for p in placement.producers + placement.trainers] == [1] * 8
+    assert all(p.hard for p in placement.producers + placement.trainers)
+    assert placement.trainer_master_address == LOCAL_ADDRESS
+
+
+def test_two_nodes_producers_low_trainers_high():
+    placement = plan_placement(nodes(8, 8), num_producers=4, producer_gpus=2, num_trainers=8)
+    assert node_ids(placement.producers) == ["n0"] * 4
+    assert [p.num_gpus for p in placement.producers] == [2] * 4
+    assert node_ids(placement.trainers) == ["n1"] * 8
+    assert placement.trainer_master_address == LOCAL_ADDRESS  # all trainers share node n1
+
+
+def test_trainers_spanning_nodes_meet_at_trainer_zero():
+    placement = plan_placement(nodes(4, 4, 4), num_producers=2, producer_gpus=1, num_trainers=8)
+    assert node_ids(placement.producers) == ["n0", "n0"]
+    assert node_ids(placement.trainers) == ["n0", "n0", "n1", "n1", "n1", "n1", "n2", "n2"]
+    assert placement.trainer_master_address == "10.0.0.0"
+
+
+def test_a_tensor_parallel_producer_never_straddles_two_nodes():
+    placement = plan_placement(nodes(3, 4), num_producers=2, producer_gpus=2, num_trainers=3)
+    assert node_ids(placement.producers) == ["n0", "n1"]
+    assert node_ids(placement.trainers) == ["n0", "n1", "n1"]
+
+
+def test_too_few_gpus_is_an_error_with_the_numbers():
+    with pytest.raises(PlacementError, match=r"trainer 2.*2 producers x 2 GPUs.*= 7 GPUs wanted.*\[3, 3\]"):
+        plan_placement(nodes(3, 3), num_producers=2, producer_gpus=2, num_trainers=3)
+    with pytest.raises(PlacementError, match="producer 0"):
+        plan_placement(nodes(2, 2), num_producers=1, producer_gpus=4, num_trainers=1)
+
+
+def test_cpu_cluster_prefers_the_same_order_softly():
+    placement = plan_placement(nodes(0, 0)[:1] + [NodeInfo("n1", "10.0.0.1", 2, 0, False)], num_producers=2,
+                               producer_gpus=1, num_trainers=2)  # fmt: skip
+    assert not placement.uses_gpus
+    assert all(not p.hard and p.num_gpus == 0 for p in placement.producers + placement.trainers)
+    assert node_ids(placement.producers) == ["n0", "n0"]
+
+
+def test_cpu_cluster_oversubscribed_still_places_everyone():
+    small = [NodeInfo("a", LOCAL_ADDRESS, 1, 0, True), NodeInfo("b", LOCAL_ADDRESS, 1, 0, False)]
+    placement = plan_placement(small, num_producers=2, producer_gpus=1, num_trainers=2)
+    assert node_ids(placement.producers) == ["a", "b"] and node_ids(placement.trainers) == ["b", "b"]
+
+
+def test_cpu_cluster_refuses_tensor_parallel_producers():
+    with pytest.raises(PlacementError, match="-ptp 2"):
+        plan_placement(nodes(0), num_producers=1, producer_gpus=2, num_trainers=1)
+
+
+def test_actor_options_are_ray_options():
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head_id, worker_id = "a" * 56, "b" * 56  # Ray checks node ids are 28-byte hex strings
+    options = actor_options(
+        [ray_node(head_id, gpus=2, head=True, address="10.0.0.1"), ray_node(worker_id, gpus=2, address="10.0.0.2")],
+        num_producers=1,
+        producer_gpus=2,
+        num_trainers=2,
+    )
+    assert [o["num_gpus"] for o in options.producers + options.trainers] == [2, 1, 1]
+    strategies = [o["scheduling_strategy"] for o in options.producers + options.trainers]
+    assert all(isinstance(s, NodeAffinitySchedulingStrategy) and not s.soft for s in strategies)
+    assert [s.node_id for s in strategies] == [head_id, worker_id, worker_id]
+
+
+# --- on a simulated two-node Ray cluster -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "num_gpus": 2, "resources": {"head_node": 1}, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=2, num_gpus=2, resources={"worker_node": 1})
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    yield ray
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.mark.dist
+def test_ray_puts_each_actor_where_the_placement_says(two_node_cluster):
+    ray = two_node_cluster
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    live = ray.nodes()
+    by_resource = {
+        name: node["NodeID"] for node in live for name in ("head_node", "worker_node") if name in node["Resources"]
+    }
+    options = actor_options(live, num_producers=2, producer_gpus=1, num_trainers=2)
+    probes = [Probe.options(**o).remote() for o in options.producers + options.trainers]
+    landed = ray.get([p.node_id.remote() for p in probes], timeout=60)
+    head, worker = by_resource["head_node"], by_resource["worker_node"]
+    assert landed == [head, head, worker, worker]
+    assert options.trainer_master_address == LOCAL_ADDRESS
+    for probe in probes:
+        ray.kill(probe)

@@ -1,0 +1,195 @@
+"""Weight names from the trainer's Hugging Face state dict to vLLM 0.7.3's Qwen2/Llama models, the way back
+(for checks), engine-version routing, and the worker-side loader's checks — all without vLLM.
+
+``vllm_073_parameter_names`` writes down, from vLLM 0.7.3's vllm/model_executor/models/qwen2.py and llama.py,
+which parameters those models hold: fused ``qkv_proj`` (bias in Qwen2 only) and ``gate_up_proj``, no
+``lm_head`` parameter of its own when embeddings are tied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from colossal_rl.rollout.vllm_weights import (
+    from_vllm_weights,
+    installed_vllm_version,
+    load_weights_on_worker,
+    parse_version,
+    strip_wrapper_prefix,
+    to_vllm_weights,
+    vllm_parameter_name,
+    weight_load_route,
+)
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: embedding rows are padded to a multiple of this
+
+
+def tiny_config(kind: str, tied: bool):
+    common = dict(
+        vocab_size=102, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return Qwen2Config(**common) if kind == "qwen2" else LlamaConfig(**common)
+
+
+def hf_state_dict(config) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return dict(AutoModelForCausalLM.from_config(config).state_dict())
+
+
+def vllm_073_parameter_names(config, qkv_bias: bool) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}"
+        names |= {
+            f"{prefix}.self_attn.qkv_proj.weight",
+            f"{prefix}.self_attn.o_proj.weight",
+            f"{prefix}.mlp.gate_up_proj.weight",
+            f"{prefix}.mlp.down_proj.weight",
+            f"{prefix}.input_layernorm.weight",
+            f"{prefix}.post_attention_layernorm.weight",
+        }
+        if qkv_bias:
+            names.add(f"{prefix}.self_attn.qkv_proj.bias")
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    return names
+
+
+def fuse_like_vllm(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """What one unsharded vLLM worker holds after loading ``state`` (what its weight loaders build)."""
+    fused: dict[str, torch.Tensor] = {}
+    for name, tensor in to_vllm_weights(state, tie_word_embeddings=config.tie_word_embeddings):
+        target = vllm_parameter_name(name)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = -(-tensor.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+            tensor = torch.cat([tensor, torch.zeros(rows - tensor.shape[0], tensor.shape[1])])
+        fused[target] = torch.cat([fused[target], tensor]) if target in fused else tensor
+    return fused
+
+
+@pytest.mark.parametrize(("kind", "qkv_bias"), [("qwen2", True), ("llama", False)])
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_trainer_weight_lands_in_a_vllm_parameter_and_every_parameter_is_filled(kind, qkv_bias, tied):
+    config = tiny_config(kind, tied)
+    state = hf_state_dict(config)
+    weights = to_vllm_weights(state, tie_word_embeddings=tied)
+    names = [name for name, _ in weights]
+    assert ("lm_head.weight" in names) == (not tied)
+    assert {vllm_parameter_name(name) for name in names} == vllm_073_parameter_names(config, qkv_bias)
+    # Names pass through unchanged (vLLM fuses them itself), in the state dict's order, tensors not copied.
+    assert names == [name for name in state if not (tied and name == "lm_head.weight")]
+    assert all(tensor is state[name] for name, tensor in weights)
+
+
+def test_stacked_names_follow_vllm_tables():
+    assert vllm_parameter_name("model.layers.3.self_attn.k_proj.bias") == "model.layers.3.self_attn.qkv_proj.bias"
+    assert vllm_parameter_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
+    assert vllm_parameter_name("model.layers.0.mlp.gate_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
+    assert vllm_parameter_name("model.layers.0.self_attn.o_proj.weight") == "model.layers.0.self_attn.o_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("raw", "clean"),
+    [
+        ("module.model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),
+        ("model.module.model.norm.weight", "model.norm.weight"),
+        ("module._orig_mod.lm_head.weight", "lm_head.weight"),
+        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+    ],
+)
+def test_wrapper_prefixes_are_stripped(raw, clean):
+    assert strip_wrapper_prefix(raw) == clean
+
+
+def test_rotary_buffers_and_tied_output_are_not_sent_and_collisions_are_refused():
+    tensor = torch.zeros(2)
+    state = {
+        "module.model.layers.0.self_attn.rotary_emb.inv_freq": tensor,
+        "module.lm_head.weight": tensor,
+        "module.model.norm.weight": tensor,
+    }
+    assert [n for n, _ in to_vllm_weights(state, tie_word_embeddings=True)] == ["model.norm.weight"]
+    assert [n for n, _ in to_vllm_weights(state, tie_word_embeddings=False)] == ["lm_head.weight", "model.norm.weight"]
+    with pytest.raises(ValueError, match="two weights map to 'model.norm.weight'"):
+        to_vllm_weights({"module.model.norm.weight": tensor, "model.norm.weight": tensor}, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_reading_vllm_weights_back_gives_the_trainer_state_dict(kind, tied):
+    config = tiny_config(kind, tied)
+    state = hf_state_dict(config)
+    back = from_vllm_weights(fuse_like_vllm(state, config), config)
+    assert set(back) == set(state)
+    for name, tensor in state.items():
+        torch.testing.assert_close(back[name], tensor, rtol=0, atol=0, msg=name)
+
+
+# --- the loader that runs inside each vLLM worker ------------------------------------------------------------
+
+
+class FakeVllmModel:
+    """Stands for a vLLM model: its parameter names and a ``load_weights`` returning what it loaded."""
+
+    def __init__(self, parameter_names: set[str], loads_all: bool = True):
+        self.parameter_names = parameter_names
+        self.loads_all = loads_all
+        self.received: list[str] = []
+
+    def named_parameters(self):
+        return [(name, torch.zeros(1)) for name in sorted(self.parameter_names)]
+
+    def load_weights(self, weights):
+        self.received = [name for name, _ in weights]
+        loaded = {vllm_parameter_name(name) for name in self.received}
+        return loaded if self.loads_all else set(sorted(loaded)[1:])
+
+
+class FakeWorker:
+    def __init__(self, model):
+        self.model_runner = type("ModelRunner", (), {"model": model})()
+
+
+def test_worker_loader_reports_nothing_missing_for_a_full_update():
+    config = tiny_config("qwen2", tied=True)
+    weights = to_vllm_weights(hf_state_dict(config), tie_word_embeddings=True)
+    model = FakeVllmModel(vllm_073_parameter_names(config, qkv_bias=True))
+    assert load_weights_on_worker(FakeWorker(model), weights) == []
+    assert model.received == [name for name, _ in weights]
+
+
+def test_worker_loader_names_unknown_and_unreached_parameters():
+    config = tiny_config("qwen2", tied=True)
+    weights = to_vllm_weights(hf_state_dict(config), tie_word_embeddings=True)
+    parameters = vllm_073_parameter_names(config, qkv_bias=True)
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        load_weights_on_worker(FakeWorker(FakeVllmModel(parameters)), weights + [("lm_head.weight", torch.zeros(1))])
+    missing = load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, loads_all=False)), weights)
+    assert missing == [sorted(parameters)[0]]
+
+
+# --- versions and routes ---------------------------------------------------------------------------------------
+
+
+def test_parse_version():
+    assert parse_version("0.7.3") == (0, 7, 3)
+    assert parse_version("0.7.3.post1+cu124") == (0, 7, 3)
+    assert parse_version("0.6.4") == (0, 6, 4)
+    assert parse_version("dev") == ()
+
+
+def test_installed_version_is_none_without_vllm():
+    assert installed_vllm_version() is None
+
+
+def test_route_uses_collective_rpc_when_the_engine_has_it():
+    assert weight_load_route("0.7.3", has_collective_rpc=True, tensor_parallel_size=4) == "collective_rpc"
+    assert weight_load_route("0.7.3", has_collective_rpc=True, tensor_parallel_size=1) == "collective_rpc"
+
+
+def test_route_without_collective_rpc_only_for_one_gpu():
+    assert weight_load_route("0.6.3", has_collective_rpc=False, tensor_parallel_size=1) == "driver_worker"
+    with pytest.raises(RuntimeError, match="only 1 of the 2 tensor-parallel workers"):
+        weight_load_route("0.6.3", has_collective_rpc=False, tensor_parallel_size=2)
