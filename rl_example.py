@@ -60,6 +60,9 @@ FIELD_FLAGS = {
     "schedule.max_steps": "--max-steps",
     "run.eval_interval": "-ei/--eval-interval",
     "run.save_interval": "-si/--save-interval",
+    "run.save_limit": "--save-limit",
+    "run.log_rollout_interval": "--log-rollout-interval",
+    "train.warmup_steps": "--warmup-steps",
     "run.timeout_s": "--timeout",
 }
 
@@ -113,14 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray_dir", default=None, help="Ray temporary directory.")
     p.add_argument("--master_address", default=None, help="Join the Ray cluster started on this head node.")
     p.add_argument("--master_port", type=int, default=defaults.run.master_port)
-    p.add_argument("-b", "--backend", default="transformers", choices=["transformers", "vllm"])
+    p.add_argument(
+        "-b",
+        "--backend",
+        default="transformers",
+        choices=["transformers", "vllm"],
+        help='Producer inference engine; vllm needs GPUs and pip install -e ".[gpu]".',
+    )
     p.add_argument("-temp", "--temperature", type=float, default=defaults.generation.temperature)
     p.add_argument("-topk", "--top-k", type=int, default=None)
     p.add_argument("-topp", "--top-p", type=float, default=defaults.generation.top_p)
     p.add_argument("-s", "--system-prompt", default=None, help="Default: the reward type's system prompt.")
     p.add_argument("-mnt", "--max-new-tokens", type=int, default=defaults.generation.max_new_tokens)
     p.add_argument("-mpt", "--max-prompt-tokens", type=int, default=defaults.data.max_prompt_tokens)
-    p.add_argument("-ptp", "--producer-tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "-ptp", "--producer-tensor-parallel-size", type=int, default=1, help="GPUs per producer (-b vllm only)."
+    )
     p.add_argument(
         "-a",
         "--algo",
@@ -137,11 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-cv", "--code-verifier-url", default=None, help="HTTP code verifier (see README).")
     p.add_argument("-ei", "--eval-interval", type=int, default=defaults.run.eval_interval)
     p.add_argument("-nb", "--n-behind", type=int, default=defaults.schedule.n_behind)
-    p.add_argument("-si", "--save-interval", type=int, default=0)
+    p.add_argument("-si", "--save-interval", type=int, default=0, help="Checkpoint every N optimizer steps (0: never).")
+    p.add_argument("--save-limit", type=int, default=defaults.run.save_limit, help="Keep the newest N checkpoints.")
     p.add_argument("-sd", "--save-dir", default=defaults.run.save_dir, help="Parent directory of run directories.")
-    p.add_argument("-esd", "--eval-save-dir", default=None)
-    p.add_argument("-rsd", "--rollout-save-dir", default=None)
-    p.add_argument("--enable_profiling", action="store_true")
+    p.add_argument("-esd", "--eval-save-dir", default=None, help="Eval generations; default: <run dir>/eval.")
+    p.add_argument("--overwrite-eval-dir", action="store_true", help="Allow an -esd directory that holds files.")
+    p.add_argument("-rsd", "--rollout-save-dir", default=None, help="Rollout samples; default: <run dir>/rollouts.")
+    p.add_argument(
+        "--log-rollout-interval",
+        type=int,
+        default=defaults.run.log_rollout_interval,
+        help="Write rollout samples every N optimizer steps (0: never).",
+    )
+    p.add_argument(
+        "--warmup-steps", type=int, default=defaults.train.warmup_steps, help="Linear learning-rate warm-up."
+    )
+    p.add_argument(
+        "--enable_profiling",
+        action="store_true",
+        help="Write per-actor phase timings to <run dir>/profile.jsonl (render: python -m colossal_rl.profiling).",
+    )
     p.add_argument("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
     p.add_argument("--seed", type=int, default=defaults.run.seed)
     p.add_argument("--timeout", type=float, default=defaults.run.timeout_s, help="Seconds any single wait may take.")
@@ -152,20 +178,24 @@ def build_parser() -> argparse.ArgumentParser:
 def _refuse_unsupported(args: argparse.Namespace) -> None:
     """Flags whose feature is not built yet: refuse loudly rather than ignore."""
     unsupported = {
-        "-cp/--checkpoint-path (resume)": args.checkpoint_path is not None,
-        "-si/--save-interval (checkpoints)": args.save_interval > 0,
-        "-esd/--eval-save-dir": args.eval_save_dir is not None,
-        "-rsd/--rollout-save-dir": args.rollout_save_dir is not None,
-        "--enable_profiling": args.enable_profiling,
         "-tp/--tensor-parallel-size > 1": args.tensor_parallel_size > 1,
         "-pp/--pipeline-parallel-size > 1": args.pipeline_parallel_size > 1,
-        "-ptp/--producer-tensor-parallel-size > 1": args.producer_tensor_parallel_size > 1,
     }
-    if args.backend == "vllm":
-        unsupported["-b vllm (needs a GPU and pip install -e '.[gpu]')"] = True
     named = [flag for flag, used in unsupported.items() if used]
     if named:
         raise UsageError(f"not yet supported: {', '.join(named)}")
+    _check_backend(args)
+
+
+def _check_backend(args: argparse.Namespace) -> None:
+    """-b vllm needs vLLM installed (checked without importing it); -ptp > 1 needs -b vllm."""
+    if args.backend == "vllm":
+        from colossal_rl.rollout.backend import VLLM_MISSING, vllm_installed
+
+        if not vllm_installed():
+            raise UsageError(VLLM_MISSING)
+    elif args.producer_tensor_parallel_size > 1:
+        raise UsageError("-ptp/--producer-tensor-parallel-size > 1 needs -b vllm (tensor-parallel producers)")
 
 
 def _eval_paths(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -215,6 +245,7 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 batch_size=args.train_batch_size,
                 minibatch_size=args.train_minibatch_size,
                 microbatch_size=args.train_microbatch_size,
+                warmup_steps=args.warmup_steps,
             ),
             parallel=ParallelConfig(
                 num_trainers=args.num_trainers,
@@ -237,7 +268,14 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 project=args.project,
                 save_dir=args.save_dir,
                 eval_interval=args.eval_interval,
+                eval_save_dir=args.eval_save_dir,
+                overwrite_eval_dir=args.overwrite_eval_dir,
+                rollout_save_dir=args.rollout_save_dir,
+                log_rollout_interval=args.log_rollout_interval,
+                enable_profiling=args.enable_profiling,
                 save_interval=args.save_interval,
+                save_limit=args.save_limit,
+                checkpoint_path=args.checkpoint_path,
                 seed=args.seed,
                 timeout_s=args.timeout,
                 ray_dir=args.ray_dir,
@@ -269,14 +307,16 @@ def check_inputs(config: RLConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
+    from colossal_rl.checkpoint import CheckpointError
     from colossal_rl.data import DataError
     from colossal_rl.launch import RunFailed, run_training
+    from colossal_rl.run_outputs import OutputDirError
 
     try:
         config = config_from_args(args)
         check_inputs(config)
         summary = run_training(config, use_wandb=not args.no_wandb)
-    except (UsageError, DataError, RunFailed) as error:
+    except (UsageError, DataError, RunFailed, CheckpointError, OutputDirError) as error:
         logger.error("%s", error)
         return 2
     except KeyboardInterrupt:

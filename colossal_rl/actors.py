@@ -15,7 +15,7 @@ import ray
 import torch
 
 from colossal_rl.batch import RolloutBatch, concat_batches
-from colossal_rl.comm.buffer import Assignment, RoundBuffer
+from colossal_rl.comm.buffer import Assignment, BufferSnapshot, RoundBuffer
 from colossal_rl.config import RLConfig
 
 logger = logging.getLogger(__name__)
@@ -40,9 +40,15 @@ def free_port() -> int:
 class BufferActor:
     """Async actor: ``take`` waits (with a timeout) until a round is complete without blocking ``put``."""
 
-    def __init__(self, *, num_producers: int, dp_size: int, groups_per_step: int, n_behind: int):
+    def __init__(
+        self, *, num_producers: int, dp_size: int, groups_per_step: int, n_behind: int, takers_per_rank: int = 1
+    ):
         self._buffer = RoundBuffer(
-            num_producers=num_producers, dp_size=dp_size, groups_per_step=groups_per_step, n_behind=n_behind
+            num_producers=num_producers,
+            dp_size=dp_size,
+            groups_per_step=groups_per_step,
+            n_behind=n_behind,
+            takers_per_rank=takers_per_rank,
         )
         self._changed: asyncio.Condition | None = None
 
@@ -67,6 +73,13 @@ class BufferActor:
                 ) from None
         return self._buffer.take(round_index, dp_rank, trainer_version)
 
+    async def snapshot(self) -> BufferSnapshot:
+        """Payloads stay object-store handles here; the driver fetches them for the checkpoint."""
+        return self._buffer.snapshot()
+
+    async def restore(self, snapshot: BufferSnapshot) -> None:
+        self._buffer.restore(snapshot)
+
     async def stats(self) -> dict[str, int]:
         return {
             "dropped_stale_groups": self._buffer.dropped_stale_groups,
@@ -84,6 +97,21 @@ def assemble_steps(assignment: Assignment, groups_per_step: int, pad_token_id: i
         parts = [fetched[id(g.payload)].select_groups([g.group_index]) for g in groups]
         steps.append(concat_batches(parts, pad_token_id))
     return steps
+
+
+def rollout_samples(batch: RolloutBatch) -> list[dict]:
+    """Prompt, response and reward of every sample of a batch, for the rollout log."""
+    return [
+        {
+            "data_index": batch.data_indices[i // batch.group_size] if batch.data_indices else None,
+            "prompt": batch.prompts[i // batch.group_size] if batch.prompts else None,
+            "response": batch.responses[i] if batch.responses else None,
+            "reward": float(batch.rewards[i]),
+            "correct": bool(batch.answer_correct[i]),
+            "policy_version": batch.policy_version,
+        }
+        for i in range(batch.num_samples)
+    ]
 
 
 @ray.remote
@@ -106,31 +134,44 @@ class ProducerActor:
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def join_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        from colossal_rl.comm.process_group import default_device
         from colossal_rl.comm.weight_sync import join_as_receiver
 
+        # On GPUs the weights arrive over NCCL into this actor's GPU; on CPU over gloo.
         self.receiver = join_as_receiver(
-            host=host, port=port, rank=self.rank + 1, world_size=world_size, timeout_s=self.config.run.timeout_s
+            host=host,
+            port=port,
+            rank=self.rank + 1,
+            world_size=world_size,
+            timeout_s=self.config.run.timeout_s,
+            device=default_device(),
         )
 
     def receive_weights(self, version: int) -> None:
-        received_version, tensors = self.receiver.receive()
-        if received_version != version:
-            raise RuntimeError(f"producer {self.rank}: expected weights version {version}, got {received_version}")
-        self.producer.load_weights(received_version, tensors)
+        with self.producer.phases.record("sync"):
+            received_version, tensors = self.receiver.receive()
+            if received_version != version:
+                raise RuntimeError(f"producer {self.rank}: expected weights version {version}, got {received_version}")
+            self.producer.load_weights(received_version, tensors)
 
     def produce(self, round_index: int, buffer) -> dict[str, float]:
         batch, metrics = self.producer.produce(round_index)
-        payload = [ray.put(batch)] if batch is not None else []
-        groups = batch.num_groups if batch is not None else 0
-        ray.get(
-            buffer.put.remote(round_index, self.rank, payload, groups, self.producer.policy_version),
-            timeout=self.config.run.timeout_s,
-        )
+        with self.producer.phases.record("put"):
+            payload = [ray.put(batch)] if batch is not None else []
+            groups = batch.num_groups if batch is not None else 0
+            ray.get(
+                buffer.put.remote(round_index, self.rank, payload, groups, self.producer.policy_version),
+                timeout=self.config.run.timeout_s,
+            )
         metrics["rollout/policy_version"] = self.producer.policy_version
         return metrics
 
     def evaluate(self):
-        return self.producer.evaluate(self.config.schedule.num_producers)
+        with self.producer.phases.record("eval"):
+            return self.producer.evaluate(self.config.schedule.num_producers)
+
+    def drain_phases(self) -> list:
+        return self.producer.phases.drain()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.producer.backend.named_weights()
@@ -160,24 +201,42 @@ class TrainerActor:
 
     def setup_weight_sync(self, host: str, port: int, world_size: int) -> None:
         """Every rank takes part in gathering the weights; the rank that holds them hosts the group."""
+        from colossal_rl.comm.process_group import default_device
         from colossal_rl.comm.weight_sync import host_as_sender
 
         state = self.trainer.full_state_dict()
         if state is not None:
             self.sender = host_as_sender(
-                host=host, port=port, world_size=world_size, state_dict=state, timeout_s=self.config.run.timeout_s
+                host=host,
+                port=port,
+                world_size=world_size,
+                state_dict=state,
+                timeout_s=self.config.run.timeout_s,
+                device=default_device(),
             )
 
-    def train_round(self, round_index: int, buffer) -> dict:
+    def train_round(self, round_index: int, buffer, sample_step: int | None = None) -> dict:
+        """Train every step the buffer deals this rank for ``round_index``.
+
+        ``sample_step``: index (within the round) of a step whose rollouts are returned for logging.
+        """
         timeout = self.config.run.timeout_s
-        assignment = ray.get(
-            buffer.take.remote(round_index, self.trainer.dp_rank, round_index, timeout), timeout=timeout + 10
-        )
-        steps = assemble_steps(assignment, self.config.train.batch_size, self.trainer.pad_token_id)
+        with self.trainer.phases.record("wait"):
+            assignment = ray.get(
+                buffer.take.remote(round_index, self.trainer.dp_rank, self.trainer.step_version, timeout),
+                timeout=timeout + 10,
+            )
+        with self.trainer.phases.record("fetch"):
+            steps = assemble_steps(assignment, self.config.train.batch_size, self.trainer.pad_token_id)
         step_metrics = [self.trainer.train_step(batch) | self._batch_metrics(batch) for batch in steps]
+        samples = []
+        if sample_step is not None and sample_step < len(steps):
+            samples = rollout_samples(steps[sample_step])
         return {
             "round": round_index,
             "steps": step_metrics,
+            "data_indices": [sorted(batch.data_indices) for batch in steps],
+            "samples": samples,
             "dropped_stale_groups": assignment.dropped_stale_groups,
             "carried_over_groups": assignment.carried_over_groups,
         }
@@ -190,13 +249,25 @@ class TrainerActor:
         }
 
     def push_weights(self, version: int) -> None:
-        state = self.trainer.full_state_dict()
-        if self.sender is not None:
-            self.sender.send(state, version)
+        with self.trainer.phases.record("sync"):
+            state = self.trainer.full_state_dict()
+            if self.sender is not None:
+                self.sender.send(state, version)
         self.trainer.step_version = version
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.trainer.full_state_dict()
+
+    def save_checkpoint(self, directory: str) -> None:
+        with self.trainer.phases.record("checkpoint"):
+            self.trainer.save_checkpoint(directory)
+
+    def drain_phases(self) -> list:
+        return self.trainer.phases.drain()
+
+    def load_checkpoint(self, directory: str, policy_version: int) -> int:
+        self.trainer.load_checkpoint(directory, policy_version)
+        return self.trainer.step
 
     def shutdown(self) -> None:
         if self.sender is not None:

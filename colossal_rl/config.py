@@ -161,6 +161,8 @@ class TrainConfig:
     """Gradient-norm clip."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear learning-rate warm-up from lr/warmup_steps to lr; constant afterwards."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,10 +230,16 @@ class RunConfig:
     """Where evaluation generations are written; None writes them inside the run directory."""
     rollout_save_dir: str | None = None
     """Where rollout samples are written; None writes them inside the run directory."""
+    overwrite_eval_dir: bool = False
+    """Allow writing into an eval save directory that already holds files."""
+    log_rollout_interval: int = 20
+    """Write the rollout samples (prompt, response, reward) of every this many optimizer steps; 0 disables."""
     save_interval: int = 0
-    """Checkpoint every this many optimizer steps; 0 disables."""
+    """Checkpoint every this many optimizer steps (at the end of the round reaching it, and at the end); 0 disables."""
+    save_limit: int = 3
+    """Keep only the newest this many checkpoints; 0 keeps all."""
     checkpoint_path: str | None = None
-    """Resume from this checkpoint directory."""
+    """Resume from this checkpoint (or the newest one inside this run or checkpoints directory)."""
     enable_profiling: bool = False
     """Record per-actor phase timings."""
     seed: int = 0
@@ -248,6 +256,8 @@ class RunConfig:
     def validate(self) -> None:
         _require(self.eval_interval >= 0, "run.eval_interval", "must be >= 0")
         _require(self.save_interval >= 0, "run.save_interval", "must be >= 0")
+        _require(self.save_limit >= 0, "run.save_limit", "must be >= 0")
+        _require(self.log_rollout_interval >= 0, "run.log_rollout_interval", "must be >= 0")
         _require(self.timeout_s > 0, "run.timeout_s", "must be > 0")
 
 

@@ -10,6 +10,7 @@ the schedule; the driver only waits (always with a timeout) for results and fail
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -20,8 +21,17 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
+from colossal_rl import checkpoint as ckpt
 from colossal_rl.config import RLConfig
 from colossal_rl.metrics import MetricsLogger
+from colossal_rl.profiling import append_spans
+from colossal_rl.run_outputs import (
+    eval_dir,
+    prepare_eval_dir,
+    rollout_dir,
+    write_eval_generations,
+    write_rollout_samples,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +57,39 @@ def _last_line(error: BaseException) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
-def _gather(named_refs: list[tuple[str, ray.ObjectRef]], timeout_s: float) -> list:
-    """Results of the refs in order; raises :class:`RunFailed` naming the first actor that failed or hung."""
-    refs = [ref for _, ref in named_refs]
-    ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    for name, ref in named_refs:
-        if ref in ready:
-            try:
-                ray.get(ref)
-            except Exception as error:
-                raise RunFailed(f"{name} failed: {_last_line(error)}") from error
-    if not_ready:
-        late = [name for name, ref in named_refs if ref in not_ready]
-        raise RunFailed(f"no answer within {timeout_s:.0f}s from: {', '.join(late)}")
-    return ray.get(refs)
+def _failure(name: str, ref: ray.ObjectRef) -> tuple[bool, str] | None:
+    """(actor died?, message) if ``ref`` (ready) holds an error, else None."""
+    try:
+        ray.get(ref)
+    except ray.exceptions.ActorDiedError as error:
+        return True, f"{name} died: {_last_line(error)}"
+    except Exception as error:
+        return False, f"{name} failed: {_last_line(error)}"
+    return None
+
+
+def _gather(named_refs: list[tuple[str, ray.ObjectRef]], timeout_s: float, settle_s: float = 3.0) -> list:
+    """Results of the refs in order; raises :class:`RunFailed` naming the actors that failed or hung.
+
+    Fails fast: the first failure ends the wait, even while other actors are still blocked (e.g. a
+    trainer waiting for rollouts from the producer that just died). Failures that follow within
+    ``settle_s`` are reported too, dead actors first: they are the cause, their peers the symptom.
+    """
+    names = {ref: name for name, ref in named_refs}
+    pending = list(names)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = [names[ref] for ref in pending]
+            raise RunFailed(f"no answer within {timeout_s:.0f}s from: {', '.join(late)}")
+        first = _failure(names[ready[0]], ready[0])
+        if first is not None:
+            more, _ = ray.wait(pending, num_returns=len(pending), timeout=settle_s) if pending else ([], [])
+            failures = [first] + [f for f in (_failure(names[ref], ref) for ref in more) if f is not None]
+            failures.sort(key=lambda failure: not failure[0])
+            raise RunFailed("; ".join(message for _, message in failures))
+    return ray.get([ref for _, ref in named_refs])
 
 
 def init_ray(config: RLConfig) -> None:
@@ -102,6 +131,7 @@ class Driver:
 
     def __init__(self, config: RLConfig, run_dir: Path, metrics: MetricsLogger):
         from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor, free_port
+        from colossal_rl.placement import actor_options
 
         self.config = config
         self.run_dir = run_dir
@@ -114,15 +144,35 @@ class Driver:
             dp_size=par.dp_size,
             groups_per_step=config.train.batch_size,
             n_behind=sched.n_behind,
+            takers_per_rank=par.tp_size * par.pp_size,
         )
         master_port = free_port() if config.run.master_address is None else config.run.master_port
+        placement = actor_options(
+            ray.nodes(),
+            num_producers=sched.num_producers,
+            producer_gpus=config.generation.tensor_parallel_size,
+            num_trainers=par.num_trainers,
+        )
         self.trainers = [
-            TrainerActor.remote(rank, par.num_trainers, config, "127.0.0.1", master_port, threads)
+            TrainerActor.options(**placement.trainers[rank]).remote(
+                rank, par.num_trainers, config, placement.trainer_master_address, master_port, threads
+            )
             for rank in range(par.num_trainers)
         ]
-        self.producers = [ProducerActor.remote(rank, config, threads) for rank in range(sched.num_producers)]
+        self.producers = [
+            ProducerActor.options(**placement.producers[rank]).remote(rank, config, threads)
+            for rank in range(sched.num_producers)
+        ]
         self.step = 0
+        self.next_round = 0
+        self.policy_version = 0
         self.dropped_stale_groups = 0
+        self.next_eval_step = 0
+        self.last_saved_step = 0
+        self.eval_before: dict[str, float] | None = None
+        self.pending_produce: dict[int, list[tuple[str, ray.ObjectRef]]] = {}
+        self.eval_dir = eval_dir(run_dir, config.run.eval_save_dir)
+        self.rollout_dir = rollout_dir(run_dir, config.run.rollout_save_dir)
 
     def named(self, method: str, actors: str, *args) -> list[tuple[str, ray.ObjectRef]]:
         group = self.trainers if actors == "trainer" else self.producers
@@ -130,9 +180,12 @@ class Driver:
             (f"{actors} {rank} ({method})", getattr(actor, method).remote(*args)) for rank, actor in enumerate(group)
         ]
 
-    def start(self) -> None:
+    def start(self, resume_from: Path | None = None) -> None:
+        """Start every actor and the weight-sync group; with ``resume_from``, restore a checkpoint first."""
         started = time.perf_counter()
         _gather(self.named("ready", "producer") + self.named("setup", "trainer"), self.timeout)
+        if resume_from is not None:
+            self._restore(resume_from)
         host, port = ray.get(self.trainers[0].weight_sync_address.remote(), timeout=self.timeout)
         world = 1 + len(self.producers)
         _gather(
@@ -140,8 +193,11 @@ class Driver:
             + self.named("join_weight_sync", "producer", host, port, world),
             self.timeout,
         )
+        if resume_from is not None:
+            self._sync_weights(self.policy_version)
         logger.info("actors ready in %.1fs", time.perf_counter() - started)
 
+    # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
         results = _gather(self.named("evaluate", "producer"), self.timeout)
         return self._log_eval(results)
@@ -149,59 +205,96 @@ class Driver:
     def _log_eval(self, results) -> dict[str, float]:
         correct: dict[str, float] = {}
         counts: dict[str, int] = {}
+        records: dict[str, list[dict]] = {}
         for per_producer in results:
             for result in per_producer:
                 correct[result.task] = correct.get(result.task, 0.0) + result.accuracy * result.num_prompts
                 counts[result.task] = counts.get(result.task, 0) + result.num_prompts
+                records.setdefault(result.task, []).extend(result.records)
         accuracy = {task: correct[task] / max(counts[task], 1) for task in correct}
         self.metrics.log("eval", self.step, {f"eval/{task}_accuracy": acc for task, acc in accuracy.items()})
+        write_eval_generations(self.eval_dir, self.step, records)
         logger.info("eval at step %d: %s", self.step, {k: round(v, 4) for k, v in accuracy.items()})
         return accuracy
 
+    # ------------------------------------------------------------------ the round loop
     def run(self, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+        if self.eval_before is None:
+            self.eval_before = self.evaluate()
+            self.next_eval_step = self.config.run.eval_interval
         n_behind = self.config.schedule.n_behind
-        eval_interval = self.config.run.eval_interval
-        before = self.evaluate()
-        pending_produce = {
-            r: self.named("produce", "producer", r, self.buffer) for r in range(min(n_behind + 1, rounds))
-        }
-        next_eval = eval_interval
-        progress = tqdm(total=rounds * self.config.steps_per_round, desc="optimizer steps", unit="step")
-        for round_index in range(rounds):
+        for r in range(self.next_round, min(self.next_round + n_behind + 1, rounds)):
+            if r not in self.pending_produce:  # restored rounds are already in the buffer
+                self.pending_produce[r] = self.named("produce", "producer", r, self.buffer)
+        progress = tqdm(
+            total=rounds * self.config.steps_per_round, initial=self.step, desc="optimizer steps", unit="step"
+        )
+        for round_index in range(self.next_round, rounds):
             round_started = time.perf_counter()
-            train_refs = self.named("train_round", "trainer", round_index, self.buffer)
-            results = _gather(train_refs + pending_produce.pop(round_index), self.timeout)
-            self._log_round(results[: len(self.trainers)], results[len(self.trainers) :], progress)
-            sync_started = time.perf_counter()
-            _gather(
-                self.named("push_weights", "trainer", round_index + 1)
-                + self.named("receive_weights", "producer", round_index + 1),
-                self.timeout,
-            )
-            self.metrics.log(
-                "sync",
-                self.step,
-                {
-                    "time/sync_s": time.perf_counter() - sync_started,
-                    "time/round_s": time.perf_counter() - round_started,
-                },
-            )
-            if eval_interval and self.step >= next_eval and round_index < rounds - 1:
-                self.evaluate()
-                next_eval = (self.step // eval_interval + 1) * eval_interval
+            self._train_round(round_index, progress)
+            self._sync_weights(round_index + 1)
+            self.next_round = round_index + 1
+            self._collect_profile()
+            self.metrics.log("sync", self.step, {"time/round_s": time.perf_counter() - round_started})
+            last_round = round_index == rounds - 1
+            if not last_round:
+                self._maybe_evaluate()
+            if self._checkpoint_due(last_round):
+                self.save_checkpoint()
             if round_index + 1 + n_behind < rounds:
-                pending_produce[round_index + 1 + n_behind] = self.named(
-                    "produce", "producer", round_index + 1 + n_behind, self.buffer
-                )
+                next_produce = round_index + 1 + n_behind
+                self.pending_produce[next_produce] = self.named("produce", "producer", next_produce, self.buffer)
         progress.close()
-        after = self.evaluate()
-        return before, after
+        return self.eval_before, self.evaluate()
+
+    def _train_round(self, round_index: int, progress) -> None:
+        sample_step = self._rollout_sample_step()
+        train_refs = self.named("train_round", "trainer", round_index, self.buffer, sample_step)
+        results = _gather(train_refs + self.pending_produce.pop(round_index), self.timeout)
+        self._log_round(results[: len(self.trainers)], results[len(self.trainers) :], progress)
+
+    def _sync_weights(self, version: int) -> None:
+        started = time.perf_counter()
+        _gather(
+            self.named("push_weights", "trainer", version) + self.named("receive_weights", "producer", version),
+            self.timeout,
+        )
+        self.policy_version = version
+        self.metrics.log("sync", self.step, {"time/sync_s": time.perf_counter() - started})
+
+    def _collect_profile(self) -> None:
+        if not self.config.run.enable_profiling:
+            return
+        spans = _gather(self.named("drain_phases", "producer") + self.named("drain_phases", "trainer"), self.timeout)
+        actors = [f"producer {r}" for r in range(len(self.producers))] + [
+            f"trainer {r}" for r in range(len(self.trainers))
+        ]
+        for actor, actor_spans in zip(actors, spans, strict=True):
+            append_spans(self.run_dir, actor, actor_spans)
+
+    def _maybe_evaluate(self) -> None:
+        interval = self.config.run.eval_interval
+        if interval and self.step >= self.next_eval_step:
+            self.evaluate()
+            self.next_eval_step = (self.step // interval + 1) * interval
+
+    def _rollout_sample_step(self) -> int | None:
+        """Index within the coming round of the step whose rollouts are written, if one is due."""
+        interval = self.config.run.log_rollout_interval
+        if not interval:
+            return None
+        for index in range(self.config.steps_per_round):
+            if (self.step + index + 1) % interval == 0:
+                return index
+        return None
 
     def _log_round(self, trainer_results: list[dict], producer_metrics: list[dict], progress) -> None:
         for rank, metrics in enumerate(producer_metrics):
             self.metrics.log("rollout", self.step, {**metrics, "producer": rank})
         first = trainer_results[0]
         self.dropped_stale_groups += first["dropped_stale_groups"]
+        if first["samples"]:
+            write_rollout_samples(self.rollout_dir, self.step + self._rollout_sample_step() + 1, first["samples"])
         for step_index, rank0_metrics in enumerate(first["steps"]):
             self.step += 1
             merged = {
@@ -209,18 +302,77 @@ class Driver:
             }
             merged["train/loss"] = rank0_metrics["train/loss"]  # already the global loss
             merged["buffer/dropped_stale_groups"] = self.dropped_stale_groups
+            merged["train/data_indices"] = sorted(i for r in trainer_results for i in r["data_indices"][step_index])
             self.metrics.log("train", self.step, merged)
             progress.update(1)
             progress.set_postfix(reward=f"{merged['train/reward']:.3f}", loss=f"{merged['train/loss']:.4f}")
 
-    def shutdown(self) -> None:
-        for actor in self.producers + self.trainers:
-            try:
-                ray.get(actor.shutdown.remote(), timeout=30)
-            except Exception as error:  # the actor may already be dead; we are cleaning up either way
-                logger.debug("shutdown of an actor failed: %s", error)
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_due(self, last_round: bool) -> bool:
+        interval = self.config.run.save_interval
+        if not interval:
+            return False
+        return last_round or self.step // interval > self.last_saved_step // interval
+
+    def save_checkpoint(self) -> Path:
+        """Everything a resume needs, after a round: trainer state, rollouts not trained yet, counters."""
+        checkpoints = self.run_dir / "checkpoints"
+        staging = ckpt.staging_dir(checkpoints, self.step)
+        # Rollouts already asked for are part of the state: wait for them and store them.
+        pending_metrics = {str(r): _gather(refs, self.timeout) for r, refs in self.pending_produce.items()}
+        snapshot = ray.get(self.buffer.snapshot.remote(), timeout=self.timeout)
+        snapshot = snapshot.with_payloads(lambda ref: ray.get(ref, timeout=self.timeout))
+        _gather(self.named("save_checkpoint", "trainer", str(staging)), self.timeout)
+        state = ckpt.RunState(
+            step=self.step,
+            next_round=self.next_round,
+            policy_version=self.policy_version,
+            dropped_stale_groups=self.dropped_stale_groups,
+            next_eval_step=self.next_eval_step,
+            eval_accuracy_before=self.eval_before or {},
+            run_dir=str(self.run_dir),
+            config=json.loads(json.dumps(dataclasses.asdict(self.config))),
+            pending_rollout_metrics=pending_metrics,
+        )
+        final = ckpt.commit(staging, state, snapshot)
+        ckpt.prune(checkpoints, self.config.run.save_limit)
+        self.last_saved_step = self.step
+        return final
+
+    def _restore(self, checkpoint: Path) -> None:
+        state = ckpt.load_state(checkpoint)
+        steps = _gather(self.named("load_checkpoint", "trainer", str(checkpoint), state.policy_version), self.timeout)
+        if any(step != state.step for step in steps):
+            raise ckpt.CheckpointError(
+                f"{checkpoint}: trainer steps {steps} disagree with the run state ({state.step})"
+            )
+        snapshot = ckpt.load_buffer(checkpoint).with_payloads(ray.put)
+        ray.get(self.buffer.restore.remote(snapshot), timeout=self.timeout)
+        for r, metrics in state.pending_rollout_metrics.items():
+            self.pending_produce[int(r)] = [
+                (f"producer {rank} (restored)", ray.put(m)) for rank, m in enumerate(metrics)
+            ]
+        self.step = self.last_saved_step = state.step
+        self.next_round = state.next_round
+        self.policy_version = state.policy_version
+        self.dropped_stale_groups = state.dropped_stale_groups
+        self.next_eval_step = state.next_eval_step
+        self.eval_before = state.eval_accuracy_before
+        logger.info("resumed from %s at step %d (round %d)", checkpoint, self.step, self.next_round)
+
+    def shutdown(self, grace_s: float = 15.0) -> None:
+        """Ask every actor to clean up (reward workers, sync groups) for at most ``grace_s``, then kill them all.
+
+        An actor still busy (e.g. a trainer waiting for a producer that died) never gets to its
+        shutdown call; the kill ends it regardless, so shutdown is bounded.
+        """
+        refs = [actor.shutdown.remote() for actor in self.producers + self.trainers]
+        ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         for actor in self.producers + self.trainers + [self.buffer]:
-            ray.kill(actor)
+            try:
+                ray.kill(actor)
+            except Exception as error:  # already dead: nothing left to clean up
+                logger.debug("kill of an actor failed: %s", error)
 
 
 def make_run_dir(config: RLConfig) -> Path:
@@ -230,6 +382,20 @@ def make_run_dir(config: RLConfig) -> Path:
     return run_dir
 
 
+def _checkpoint_to_resume(config: RLConfig) -> Path | None:
+    """The checkpoint ``-cp`` names, checked against this run's config (fields that must not change)."""
+    if config.run.checkpoint_path is None:
+        return None
+    checkpoint = ckpt.resolve(config.run.checkpoint_path)
+    saved = ckpt.load_state(checkpoint)
+    mismatches = ckpt.resume_mismatches(saved.config, json.loads(json.dumps(dataclasses.asdict(config))))
+    if mismatches:
+        raise ckpt.CheckpointError(
+            f"{checkpoint}: cannot resume with a different " + "; ".join(mismatches) + " (use the saved values)"
+        )
+    return checkpoint
+
+
 def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     """Train with ``config`` (validated here) and return what happened; Ray is started if needed."""
     from colossal_rl.data import load_jsonl_rows
@@ -237,6 +403,11 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     config.validate()
     started = time.perf_counter()
     rounds = total_rounds(config, len(load_jsonl_rows(config.data.train_path)))
+    resume_from = _checkpoint_to_resume(config)
+    if config.run.eval_save_dir:
+        prepare_eval_dir(
+            Path(config.run.eval_save_dir), overwrite=config.run.overwrite_eval_dir or resume_from is not None
+        )
     run_dir = make_run_dir(config)
     metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
     logger.info("run directory: %s (%d rounds, %d steps per round)", run_dir, rounds, config.steps_per_round)
@@ -245,7 +416,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     driver = None
     try:
         driver = Driver(config, run_dir, metrics)
-        driver.start()
+        driver.start(resume_from)
         before, after = driver.run(rounds)
     finally:
         if driver is not None:

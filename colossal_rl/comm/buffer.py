@@ -4,13 +4,15 @@ Producers register their batches (a handle to the payload in Ray's object store,
 payload itself) per round. When every producer has delivered round ``r``, the round's groups
 join a pool in (round, producer, group) order; the pool is cut into whole optimizer steps of
 ``dp_size * groups_per_step`` groups and dealt round-robin to the ranks, so every rank runs the
-same number of steps. Groups left over (possible when filtering drops groups) wait for the
+same number of steps. Every data-parallel rank may have several takers (its tensor- and
+pipeline-parallel ranks, ``takers_per_rank``): each of them gets the same assignment. Groups left over (possible when filtering drops groups) wait for the
 next round; groups whose policy version is more than ``n_behind`` versions older than the
 trainers' are dropped and counted. Plain class: the Ray shell lives in ``colossal_rl/actors.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,20 +38,54 @@ class Assignment:
     carried_over_groups: int
 
 
+@dataclass(frozen=True)
+class BufferSnapshot:
+    """Everything the buffer holds between rounds, with each distinct payload listed once.
+
+    ``rounds``: round -> producer -> (payload index, num groups, policy version), rounds delivered but
+    not dealt yet; ``pool``: (payload index, group index, policy version, round) of carried-over groups.
+    A checkpoint stores the payloads themselves, so a resumed run trains on exactly the rollouts the
+    interrupted one had already generated.
+    """
+
+    payloads: list[Any]
+    rounds: dict[int, dict[int, tuple[int, int, int]]]
+    pool: list[tuple[int, int, int, int]]
+    last_dealt_round: int
+    dropped_stale_groups: int
+
+    def with_payloads(self, convert: Callable[[Any], Any]) -> BufferSnapshot:
+        """The same snapshot with every payload replaced by ``convert(payload)`` (e.g. fetch or re-put)."""
+        return BufferSnapshot(
+            payloads=[convert(payload) for payload in self.payloads],
+            rounds=self.rounds,
+            pool=self.pool,
+            last_dealt_round=self.last_dealt_round,
+            dropped_stale_groups=self.dropped_stale_groups,
+        )
+
+
 @dataclass
 class _RoundState:
     deliveries: dict[int, tuple[Any, int, int]] = field(default_factory=dict)  # producer -> (payload, groups, version)
 
 
 class RoundBuffer:
-    def __init__(self, *, num_producers: int, dp_size: int, groups_per_step: int, n_behind: int):
+    def __init__(
+        self, *, num_producers: int, dp_size: int, groups_per_step: int, n_behind: int, takers_per_rank: int = 1
+    ):
+        if takers_per_rank < 1:
+            raise ValueError(f"takers_per_rank must be >= 1, got {takers_per_rank}")
         self.num_producers = num_producers
         self.dp_size = dp_size
+        self.takers_per_rank = takers_per_rank
+        """Trainer ranks sharing one data-parallel rank (tp_size * pp_size): all train on the same groups."""
         self.groups_per_step = groups_per_step
         self.n_behind = n_behind
         self._rounds: dict[int, _RoundState] = {}
         self._pool: list[GroupRef] = []
         self._assignments: dict[int, dict[int, Assignment]] = {}  # round -> rank -> assignment not yet taken
+        self._takes_left: dict[int, dict[int, int]] = {}  # round -> rank -> takers that have not taken it yet
         self.dropped_stale_groups = 0
         self._last_dealt_round = -1
 
@@ -75,12 +111,17 @@ class RoundBuffer:
             if not self.is_complete(round_index):
                 raise RuntimeError(f"round {round_index} is not complete")
             self._deal(round_index, trainer_version)
-        pending = self._assignments[round_index]
+        pending, takes_left = self._assignments[round_index], self._takes_left[round_index]
         if dp_rank not in pending:
-            raise ValueError(f"rank {dp_rank} already took round {round_index}")
-        assignment = pending.pop(dp_rank)
+            raise ValueError(
+                f"rank {dp_rank} already took round {round_index} ({self.takers_per_rank} taker(s) per rank)"
+            )
+        assignment = pending[dp_rank]
+        takes_left[dp_rank] -= 1
+        if takes_left[dp_rank] == 0:
+            del pending[dp_rank], takes_left[dp_rank]
         if not pending:
-            del self._assignments[round_index]
+            del self._assignments[round_index], self._takes_left[round_index]
         return assignment
 
     def _deal(self, round_index: int, trainer_version: int) -> None:
@@ -106,6 +147,7 @@ class RoundBuffer:
             )
             for rank in range(self.dp_size)
         }
+        self._takes_left[round_index] = dict.fromkeys(range(self.dp_size), self.takers_per_rank)
 
     def _rank_share(self, dealt: list[GroupRef], rank: int) -> list[GroupRef]:
         """Step-major: step s of rank d trains groups [s*per_step + d*gps, ... + gps)."""
@@ -117,3 +159,36 @@ class RoundBuffer:
 
     def pooled_groups(self) -> int:
         return len(self._pool)
+
+    def snapshot(self) -> BufferSnapshot:
+        """State between rounds (every dealt round fully taken); payload handles are listed once each."""
+        if self._assignments:
+            raise RuntimeError(f"rounds {sorted(self._assignments)} were dealt but not taken by every rank")
+        payloads: list[Any] = []
+        index_of: dict[int, int] = {}
+
+        def index(payload: Any) -> int:
+            if id(payload) not in index_of:
+                index_of[id(payload)] = len(payloads)
+                payloads.append(payload)
+            return index_of[id(payload)]
+
+        rounds = {
+            r: {p: (index(payload), groups, version) for p, (payload, groups, version) in state.deliveries.items()}
+            for r, state in self._rounds.items()
+        }
+        pool = [(index(g.payload), g.group_index, g.policy_version, g.round_index) for g in self._pool]
+        return BufferSnapshot(payloads, rounds, pool, self._last_dealt_round, self.dropped_stale_groups)
+
+    def restore(self, snapshot: BufferSnapshot) -> None:
+        """Put back what :meth:`snapshot` saw (into an empty buffer)."""
+        if self._rounds or self._pool or self._assignments or self._last_dealt_round != -1:
+            raise RuntimeError("restore needs a fresh buffer")
+        payloads = snapshot.payloads
+        for r, deliveries in snapshot.rounds.items():
+            state = self._rounds.setdefault(r, _RoundState())
+            for p, (i, groups, version) in deliveries.items():
+                state.deliveries[p] = (payloads[i], groups, version)
+        self._pool = [GroupRef(payloads[i], g, version, r) for i, g, version, r in snapshot.pool]
+        self._last_dealt_round = snapshot.last_dealt_round
+        self.dropped_stale_groups = snapshot.dropped_stale_groups

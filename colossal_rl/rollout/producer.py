@@ -16,6 +16,7 @@ import torch
 from colossal_rl.batch import RolloutBatch, pad_to
 from colossal_rl.config import RLConfig
 from colossal_rl.data import EpisodeSchedule, PromptDataset, load_prompt_dataset
+from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.prompts import system_prompt_for
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings, create_backend
 from colossal_rl.rollout.postprocess import postprocess_rollout
@@ -78,6 +79,7 @@ class Producer:
         )
         self._infra_errors = 0
         self._scored = 0
+        self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompt_ids: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
@@ -116,12 +118,14 @@ class Producer:
         row_indices = self.schedule.rows_for(round_index, self.rank)
         group_size = self.config.generation.num_generations
         torch.manual_seed(self.config.run.seed * 1_000_003 + round_index * 1009 + self.rank)
-        output = self._generate(
-            [self.train_data.prompt_ids[i] for i in row_indices], group_size, self._train_sampling()
-        )
+        with self.phases.record("generate"):
+            output = self._generate(
+                [self.train_data.prompt_ids[i] for i in row_indices], group_size, self._train_sampling()
+            )
         generate_seconds = time.perf_counter() - started
         rows = [self.train_data.rows[i] for i in row_indices for _ in range(group_size)]
-        records = self._score(output.responses, rows)
+        with self.phases.record("reward"):
+            records = self._score(output.responses, rows)
         batch = RolloutBatch(
             prompt_ids=output.prompt_ids,
             prompt_mask=output.prompt_mask,
@@ -141,7 +145,10 @@ class Producer:
             reward_status=[r.status for r in records],
             data_indices=row_indices,
         )
-        processed, metrics = postprocess_rollout(batch, self.config.algorithm, self.config.generation.max_new_tokens)
+        with self.phases.record("postprocess"):
+            processed, metrics = postprocess_rollout(
+                batch, self.config.algorithm, self.config.generation.max_new_tokens
+            )
         metrics.update(
             {
                 "rollout/response_length": float(output.response_mask.sum(1).float().mean()),

@@ -72,8 +72,31 @@ def gather_stage_state_dict(
     where = _coordinates(plugin)
     if where.dp_rank != 0 or where.sp_rank != 0:
         return None  # replicas of data-parallel rank 0: their tensor-parallel groups all skip together
-    state_dict = booster_model.unwrap().state_dict()  # a collective over the tensor-parallel group
-    return dict(state_dict) if where.tp_rank == 0 else None
+    model = booster_model.unwrap()
+    state_dict = model.state_dict()  # a collective over the tensor-parallel group
+    return strip_vocab_padding(dict(state_dict), model) if where.tp_rank == 0 else None
+
+
+def strip_vocab_padding(state_dict: StateDict, model: torch.nn.Module) -> StateDict:
+    """Cut the output embedding back to ``config.vocab_size`` rows.
+
+    Under tensor parallelism ColossalAI pads the vocabulary to a multiple of 64 * tp. Its parallel
+    embedding strips the padding from its state dict, but with tied embeddings the LM head (a plain
+    column-parallel linear in the Qwen2 policy) shares the padded weight and returns it whole: the
+    producers would get ``lm_head.weight`` with more rows than their model has.
+    """
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    output_embeddings = get_output_embeddings() if get_output_embeddings is not None else None
+    if vocab_size is None or output_embeddings is None:
+        return state_dict
+    prefix = next((name for name, module in model.named_modules() if module is output_embeddings), None)
+    for suffix in ("weight", "bias"):
+        key = f"{prefix}.{suffix}" if prefix else suffix
+        tensor = state_dict.get(key)
+        if tensor is not None and tensor.shape[0] > vocab_size:
+            state_dict[key] = tensor[:vocab_size]
+    return state_dict
 
 
 def merge_pipeline_stages(stage_state_dict: StateDict, pp_group: dist.ProcessGroup) -> StateDict | None:

@@ -14,10 +14,10 @@ tp > 1 or pp > 1            ``HybridParallelPlugin``     ZeRO only with bf16/fp1
 
 ZeRO's and the hybrid plugin's optimizers clip to ``max_norm`` inside ``step()``. On CPU, ZeRO's
 communication overlap is off (it needs CUDA streams) and :mod:`cpu_compat` patches must be applied
-(:func:`launch_colossalai` does it). Under tensor parallelism the LM head keeps ColossalAI's default
-``parallel_output=True``: logits are sharded over the vocabulary; ``model(..., labels=...)`` computes the
-loss with a vocab-parallel cross entropy. Sequence parallelism is offered only in ``split_gather`` mode:
-``ring`` mode produces wrong weight gradients in ColossalAI 0.5.0.
+(:func:`launch_colossalai` does it). Under tensor parallelism ColossalAI 0.5.0's Qwen2 policy always
+returns the logits sharded over the (padded) vocabulary, whatever ``parallel_output`` says;
+:func:`gather_vocab_parallel_logits` makes them whole for log-probabilities. Sequence parallelism is
+offered only in ``split_gather`` mode: ``ring`` mode produces wrong weight gradients in ColossalAI 0.5.0.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def make_hybrid_plugin(
 ) -> HybridParallelPlugin:
     """Tensor/pipeline parallelism with data parallelism (ZeRO-1/2 in bf16/fp16) over the remaining ranks.
 
-    The pipeline micro-batch is ``max(1, microbatch_size // pp_size)``, as ColossalChat does.
+    The pipeline micro-batch is ``max(1, microbatch_size // pp_size)``, as ColossalChat does; a step's
+    samples must split into at least ``pp_size`` of them.
     ``sequence_parallelism`` turns on split_gather sequence parallelism over the tensor-parallel group.
     """
     if parallel.zero_stage > 0 and parallel.precision == "fp32":
@@ -109,7 +110,12 @@ def make_hybrid_plugin(
         raise ConfigError("parallel.tp_size", "split_gather sequence parallelism needs tp_size > 1")
     pipeline_kwargs = {}
     if parallel.pp_size > 1:
-        pipeline_kwargs = {"microbatch_size": max(1, microbatch_size // parallel.pp_size), "pp_style": "1f1b"}
+        # Sequence lengths change from step to step: the p2p shape cache would send stale shapes.
+        pipeline_kwargs = {
+            "microbatch_size": max(1, microbatch_size // parallel.pp_size),
+            "pp_style": "1f1b",
+            "enable_metadata_cache": False,
+        }
     return HybridParallelPlugin(
         tp_size=parallel.tp_size,
         pp_size=parallel.pp_size,
@@ -141,3 +147,25 @@ def clip_and_step(model: torch.nn.Module, optimizer: OptimizerWrapper, plugin: P
     if not isinstance(plugin, TorchDDPPlugin) and max_norm > 0:
         norm = optimizer.get_grad_norm()
     return None if norm is None else float(norm)
+
+
+def tensor_parallel_group(plugin: Plugin) -> dist.ProcessGroup | None:
+    """The group the policy's logits are vocab-sharded over; None without tensor parallelism."""
+    if isinstance(plugin, HybridParallelPlugin) and plugin.tp_size > 1:
+        return plugin.tp_group
+    return None
+
+
+def gather_vocab_parallel_logits(logits: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> torch.Tensor:
+    """Whole-vocabulary logits [..., vocab_size] from this rank's shard [..., V_padded / tp] (differentiable).
+
+    The shards are concatenated in tensor-parallel rank order; the backward pass hands each rank the
+    gradient of its own shard. The vocabulary padding ColossalAI adds (its logits are 0, not -inf) is
+    cut off, so a softmax over the result is the unsharded model's.
+    """
+    from colossalai.shardformer.layer._operation import gather_forward_split_backward
+
+    full = gather_forward_split_backward(logits, -1, tp_group)  # [..., V_padded]
+    if full.shape[-1] < vocab_size:
+        raise ValueError(f"gathered {full.shape[-1]} logits per token, fewer than the vocabulary ({vocab_size})")
+    return full[..., :vocab_size]

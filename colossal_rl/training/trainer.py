@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,9 +18,18 @@ import torch.distributed as dist
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig
 
+if TYPE_CHECKING:
+    from colossalai.booster.plugin import Plugin
+from colossal_rl.profiling import PhaseRecorder
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def warmup_then_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup_steps`` optimizer steps, then the configured learning rate."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -37,33 +48,50 @@ class Trainer:
         self.step_version = 0
         """Weights version the trainer holds: rounds trained so far (bumped at each push)."""
         self.on_cpu = not torch.cuda.is_available()
+        self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
+        """Start the consumers' process group (once per process), then :meth:`build`."""
+        from colossal_rl.training.plugins import launch_colossalai
+
+        launch_colossalai(self.rank, self.world_size, self.master_addr, self.master_port, on_cpu=self.on_cpu)
+        self.build()
+
+    def build(self, plugin: Plugin | None = None) -> None:
+        """Plugin, boosted model, optimizer and reference model, over the already started process group.
+
+        ``plugin``: instead of ``make_plugin``'s choice for ``config.parallel`` (tests train one layout
+        under several plugins, in one process group).
+        """
         from colossalai.booster import Booster
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from colossal_rl.training.cpu_compat import apply_cpu_compat_patches
-        from colossal_rl.training.plugins import launch_colossalai, make_plugin
+        from colossal_rl.training.plugins import make_plugin, tensor_parallel_group
 
-        if self.on_cpu:
-            apply_cpu_compat_patches()
-        launch_colossalai(self.rank, self.world_size, self.master_addr, self.master_port, on_cpu=self.on_cpu)
         torch.manual_seed(self.config.run.seed)
         parallel, train = self.config.parallel, self.config.train
-        self.plugin = make_plugin(
+        self.plugin = plugin or make_plugin(
             parallel, microbatch_size=train.microbatch_size, max_norm=train.max_norm, on_cpu=self.on_cpu
         )
         self.booster = Booster(plugin=self.plugin)
         dtype = _DTYPES[parallel.precision]
         model = AutoModelForCausalLM.from_pretrained(self.config.model.path, torch_dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
-        self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
+        lr_scheduler = warmup_then_constant(optimizer, train.warmup_steps)
+        self.model, self.optimizer, _, _, self.lr_scheduler = self.booster.boost(
+            model, optimizer, lr_scheduler=lr_scheduler
+        )
         self.reference_model = None
         if self.config.algorithm.kl_coeff > 0:
             self.reference_model = AutoModelForCausalLM.from_pretrained(self.config.model.path, torch_dtype=dtype)
             self.reference_model.eval().requires_grad_(False)
         self.dp_group = self._data_parallel_group()
+        self.tp_group = tensor_parallel_group(self.plugin)
+        """Set when the policy's logits come vocab-sharded over this group (tensor parallelism)."""
+        self.vocab_size = model.config.vocab_size
+        self.pp_group = self.plugin.pp_group if parallel.pp_size > 1 else None
+        """Set under pipeline parallelism: train steps go through ``booster.execute_pipeline``."""
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
         tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
@@ -80,27 +108,54 @@ class Trainer:
         return float(tensor.item())
 
     def _response_logprobs(self, model, input_ids, attention_mask, prompt_len, response_ids) -> torch.Tensor:
-        from colossal_rl.algorithms import logprobs_from_logits
-
         outputs = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
         )
-        response_logits = outputs.logits[:, prompt_len - 1 : -1]  # logits at t predict token t + 1
+        return self._logprobs_from_outputs(outputs.logits, prompt_len, response_ids, vocab_parallel=model is self.model)
+
+    def _logprobs_from_outputs(self, logits, prompt_len, response_ids, *, vocab_parallel: bool) -> torch.Tensor:
+        """Log-probabilities [B, R] of the response tokens from logits [B, L, V] over prompt + response.
+
+        ``vocab_parallel``: the logits are the policy's, vocab-sharded under tensor parallelism.
+        """
+        from colossal_rl.algorithms import logprobs_from_logits
+        from colossal_rl.training.plugins import gather_vocab_parallel_logits
+
+        if vocab_parallel and self.tp_group is not None:
+            logits = gather_vocab_parallel_logits(logits, self.tp_group, self.vocab_size)
+        response_logits = logits[:, prompt_len - 1 : -1]  # logits at t predict token t + 1
         return logprobs_from_logits(
             response_logits, response_ids, temperature=self.config.generation.temperature, chunk_size=256
         )
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """Forward/backward over micro-batches of the step's samples, then one optimizer step."""
-        from colossal_rl.training.objective import policy_objective
+        """Forward/backward over micro-batches of the step's samples, then one optimizer step.
 
+        Every rank of a data-parallel rank's tensor- and pipeline-parallel group gets the same ``batch``.
+        """
         started = time.perf_counter()
         self.model.train()
+        valid_tokens = batch.response_mask.float() * batch.loss_mask[:, None]
+        counts = (
+            max(self._global_sum(float(valid_tokens.sum())), 1.0),
+            max(self._global_sum(float(batch.loss_mask.sum())), 1.0),
+        )
+        with self.phases.record("forward_backward"):
+            if self.pp_group is not None:
+                totals = self._pipeline_forward_backward(batch, counts)
+            else:
+                totals = self._forward_backward(batch, counts)
+        with self.phases.record("optimizer_step"):
+            grad_norm = self._optimizer_step()
+        self.step += 1
+        totals["train/loss"] = self._global_sum(totals["train/loss"])
+        totals.update({"train/grad_norm": grad_norm, "time/train_step_s": time.perf_counter() - started})
+        return totals
+
+    def _forward_backward(self, batch: RolloutBatch, counts: tuple[float, float]) -> dict[str, float]:
+        """Gradients of this rank's share of the step loss, ``train.microbatch_size`` samples at a time."""
         input_ids, attention_mask = batch.sequences()
         prompt_len = batch.prompt_ids.shape[1]
-        valid_tokens = batch.response_mask.float() * batch.loss_mask[:, None]
-        global_tokens = max(self._global_sum(float(valid_tokens.sum())), 1.0)
-        global_samples = max(self._global_sum(float(batch.loss_mask.sum())), 1.0)
         micro = self.config.train.microbatch_size
         totals: dict[str, float] = {}
         for start in range(0, batch.num_samples, micro):
@@ -108,45 +163,99 @@ class Trainer:
             new_logprobs = self._response_logprobs(
                 self.model, input_ids[part], attention_mask[part], prompt_len, batch.response_ids[part]
             )
-            ref_logprobs = None
-            if self.reference_model is not None:
-                with torch.no_grad():
-                    ref_logprobs = self._response_logprobs(
-                        self.reference_model,
-                        input_ids[part],
-                        attention_mask[part],
-                        prompt_len,
-                        batch.response_ids[part],
-                    )
-            loss, metrics = policy_objective(
-                new_logprobs=new_logprobs,
-                old_logprobs=new_logprobs.detach(),  # one update per batch: the policy before this step
-                behaviour_logprobs=batch.behaviour_logprobs[part],
-                ref_logprobs=ref_logprobs,
-                advantages=batch.advantages[part],
-                response_mask=batch.response_mask[part],
-                loss_mask=batch.loss_mask[part],
-                algo=self.config.algorithm,
-                global_token_count=global_tokens,
-                global_sample_count=global_samples,
-                max_response_length=self.config.generation.max_new_tokens,
-            )
+            loss = self._micro_batch_loss(new_logprobs, batch, part, counts, totals)
             # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
             self.booster.backward(loss * self.dp_size, self.optimizer)
-            weight = (start + micro if start + micro < batch.num_samples else batch.num_samples) - start
-            totals["train/loss"] = totals.get("train/loss", 0.0) + float(loss.detach())
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + float(value) * weight / batch.num_samples
-        grad_norm = self._optimizer_step()
-        self.step += 1
-        totals["train/loss"] = self._global_sum(totals["train/loss"])
-        totals.update({"train/grad_norm": grad_norm, "time/train_step_s": time.perf_counter() - started})
         return totals
+
+    def _pipeline_forward_backward(self, batch: RolloutBatch, counts: tuple[float, float]) -> dict[str, float]:
+        """The same gradients through ColossalAI's 1F1B pipeline schedule (pipeline micro-batches).
+
+        The schedule slices the inputs into micro-batches of ``plugin.microbatch_size`` and calls the
+        criterion on the last stage once per micro-batch, in order; the criterion picks that
+        micro-batch's response tokens and advantages from ``batch``. The metrics are the last stage's.
+        """
+        micro = self.plugin.microbatch_size
+        num_micro = batch.num_samples // micro
+        if num_micro * micro != batch.num_samples or num_micro < self.plugin.pp_size:
+            raise ValueError(
+                f"a step's {batch.num_samples} samples must split into at least pp_size = {self.plugin.pp_size} "
+                f"pipeline micro-batches of {micro} (train.microbatch_size // pp_size)"
+            )
+        input_ids, attention_mask = batch.sequences()
+        prompt_len = batch.prompt_ids.shape[1]
+        starts = iter(range(0, batch.num_samples, micro))
+        totals: dict[str, float] = {}
+
+        def criterion(outputs, inputs) -> torch.Tensor:
+            part = slice(start := next(starts), start + micro)
+            new_logprobs = self._logprobs_from_outputs(
+                outputs.logits, prompt_len, batch.response_ids[part], vocab_parallel=True
+            )
+            loss = self._micro_batch_loss(new_logprobs, batch, part, counts, totals)
+            return loss * self.dp_size * num_micro  # the schedule divides by the number of micro-batches
+
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask),
+        }
+        self.booster.execute_pipeline(iter([inputs]), self.model, criterion, self.optimizer, return_loss=False)
+        return self._from_last_stage(totals)
+
+    def _from_last_stage(self, totals: dict[str, float]) -> dict[str, float]:
+        """The last pipeline stage's metrics on every stage (they are computed only there)."""
+        last_stage = dist.get_process_group_ranks(self.pp_group)[-1]
+        message = [totals if dist.get_rank() == last_stage else None]
+        dist.broadcast_object_list(message, src=last_stage, group=self.pp_group)
+        return message[0]
+
+    def _micro_batch_loss(
+        self,
+        new_logprobs: torch.Tensor,
+        batch: RolloutBatch,
+        part: slice,
+        counts: tuple[float, float],
+        totals: dict[str, float],
+    ) -> torch.Tensor:
+        """The objective of samples ``part`` with the step's global (token, sample) ``counts``; adds metrics."""
+        from colossal_rl.training.objective import policy_objective
+
+        ref_logprobs = None
+        if self.reference_model is not None:
+            input_ids, attention_mask = batch.sequences()
+            with torch.no_grad():
+                ref_logprobs = self._response_logprobs(
+                    self.reference_model,
+                    input_ids[part],
+                    attention_mask[part],
+                    batch.prompt_ids.shape[1],
+                    batch.response_ids[part],
+                )
+        loss, metrics = policy_objective(
+            new_logprobs=new_logprobs,
+            old_logprobs=new_logprobs.detach(),  # one update per batch: the policy before this step
+            behaviour_logprobs=batch.behaviour_logprobs[part],
+            ref_logprobs=ref_logprobs,
+            advantages=batch.advantages[part],
+            response_mask=batch.response_mask[part],
+            loss_mask=batch.loss_mask[part],
+            algo=self.config.algorithm,
+            global_token_count=counts[0],
+            global_sample_count=counts[1],
+            max_response_length=self.config.generation.max_new_tokens,
+        )
+        weight = new_logprobs.shape[0] / batch.num_samples
+        totals["train/loss"] = totals.get("train/loss", 0.0) + float(loss.detach())
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + float(value) * weight
+        return loss
 
     def _optimizer_step(self) -> float:
         from colossal_rl.training.plugins import clip_and_step
 
         grad_norm = clip_and_step(self.model, self.optimizer, self.plugin, self.config.train.max_norm)
+        self.lr_scheduler.step()
         return float("nan") if grad_norm is None else float(grad_norm)
 
     # ------------------------------------------------------------------ weights
@@ -154,4 +263,34 @@ class Trainer:
         """Full unsharded weights on the rank that sends them to the producers (None elsewhere)."""
         from colossal_rl.training.full_state_dict import gather_full_state_dict
 
-        return gather_full_state_dict(self.model, self.plugin)
+        return gather_full_state_dict(self.model, self.plugin, self.optimizer)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: Path) -> None:
+        """Collective: every rank writes its state into ``directory/trainer``; the full-weights rank exports ``hf``."""
+        from colossal_rl.checkpoint import EXPORT_DIR, TRAINER_DIR
+        from colossal_rl.training.checkpointing import export_hf, save_trainer_state
+
+        directory = Path(directory)
+        save_trainer_state(
+            self.booster,
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            directory / TRAINER_DIR,
+            rank=self.rank,
+            step=self.step,
+        )
+        full_state = self.full_state_dict()
+        if full_state is not None:
+            export_hf(full_state, self.config.model.path, directory / EXPORT_DIR)
+        dist.barrier()
+
+    def load_checkpoint(self, directory: Path, policy_version: int) -> None:
+        from colossal_rl.checkpoint import TRAINER_DIR
+        from colossal_rl.training.checkpointing import load_trainer_state
+
+        self.step = load_trainer_state(
+            self.booster, self.model, self.optimizer, self.lr_scheduler, Path(directory) / TRAINER_DIR, rank=self.rank
+        )
+        self.step_version = policy_version

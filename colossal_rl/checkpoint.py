@@ -1,0 +1,170 @@
+"""Run checkpoints on disk: layout, atomic commit, retention, and the driver's counters for an exact resume.
+
+A checkpoint is a directory ``<run_dir>/checkpoints/step_<N>/`` holding
+
+    state.json   the driver's counters (:class:`RunState`) and the full run config
+    trainer/     model and optimizer shards, LR scheduler and RNG state of every trainer rank
+    hf/          a Hugging Face export (safetensors + config + tokenizer) of the policy
+    buffer.pt    rollouts generated but not trained yet, and groups carried over between rounds
+
+Everything is written into ``.step_<N>.tmp`` first and renamed when complete, so a run killed
+mid-save leaves the previous checkpoint intact and never a half one. Data positions need no
+saving: which rows a producer generates in round ``r`` is a pure function of (seed, episode,
+round, producer) (see ``data.EpisodeSchedule``), and sampling is reseeded per (round, producer),
+so the next round index is the sampler position of every producer at once. With several nodes,
+``--save-dir`` must be on a filesystem every trainer node can write.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from colossal_rl.comm.buffer import BufferSnapshot
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+BUFFER_FILE = "buffer.pt"
+TRAINER_DIR = "trainer"
+EXPORT_DIR = "hf"
+
+# Config fields a resumed run must share with the checkpoint: they decide which data each round
+# holds, how it is dealt and how the weights are sharded. Everything else (max steps, episodes,
+# intervals, timeouts, save dirs) may change on resume.
+RESUME_INVARIANT_FIELDS = (
+    "model.path",
+    "data.train_path",
+    "data.seed",
+    "generation.num_generations",
+    "algorithm.name",
+    "train.batch_size",
+    "parallel.num_trainers",
+    "parallel.tp_size",
+    "parallel.pp_size",
+    "parallel.zero_stage",
+    "parallel.precision",
+    "schedule.num_producers",
+    "schedule.inference_batch_size",
+    "schedule.n_behind",
+    "run.seed",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not fit the run; the message names the path."""
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The driver's counters after a round: all a resume needs besides trainer state and buffer."""
+
+    step: int
+    """Optimizer steps taken (every trainer rank took exactly this many)."""
+    next_round: int
+    """First round not trained yet: also every producer's sampler position."""
+    policy_version: int
+    """Weights version the trainers hold and last pushed to the producers."""
+    dropped_stale_groups: int
+    next_eval_step: int
+    eval_accuracy_before: dict[str, float]
+    run_dir: str
+    config: dict[str, Any] = field(default_factory=dict)
+    pending_rollout_metrics: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per round generated but not trained yet: each producer's rollout metrics (logged when trained)."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def staging_dir(checkpoints_dir: Path, step: int) -> Path:
+    """An empty temporary directory for the checkpoint of ``step`` (a leftover from a crash is removed)."""
+    staging = Path(checkpoints_dir) / f".{checkpoint_name(step)}.tmp"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit(staging: Path, state: RunState, buffer: BufferSnapshot) -> Path:
+    """Write the driver's files into ``staging`` and rename it to its final name; returns the final path."""
+    torch.save(buffer, staging / BUFFER_FILE)
+    (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, sort_keys=True), encoding="utf-8")
+    final = staging.parent / checkpoint_name(state.step)
+    if final.exists():  # the same step saved again (e.g. a resumed run re-reaching it): replace it whole
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    logger.info("checkpoint saved: %s", final)
+    return final
+
+
+def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Committed checkpoints in step order (temporary directories are not checkpoints)."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [p for p in checkpoints_dir.glob("step_*") if (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def prune(checkpoints_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (``keep <= 0`` keeps all); returns what was deleted."""
+    if keep <= 0:
+        return []
+    doomed = complete_checkpoints(checkpoints_dir)[:-keep]
+    for path in doomed:
+        shutil.rmtree(path)
+        logger.info("checkpoint removed (save limit %d): %s", keep, path)
+    return doomed
+
+
+def resolve(path: str | Path) -> Path:
+    """``-cp`` may name a checkpoint, a run's ``checkpoints/`` directory or the run directory: the newest inside."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    for candidate in (path, path / "checkpoints"):
+        found = complete_checkpoints(candidate)
+        if found:
+            return found[-1]
+    raise CheckpointError(f"{path}: no complete checkpoint (a directory with {STATE_FILE}) here or in checkpoints/")
+
+
+def load_state(checkpoint: Path) -> RunState:
+    path = Path(checkpoint) / STATE_FILE
+    try:
+        return RunState(**json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError) as error:
+        raise CheckpointError(f"{path}: unreadable run state ({error})") from None
+
+
+def load_buffer(checkpoint: Path) -> BufferSnapshot:
+    path = Path(checkpoint) / BUFFER_FILE
+    try:
+        return torch.load(path, weights_only=False)  # our own file: rollout batches are dataclasses
+    except (OSError, RuntimeError, EOFError) as error:
+        raise CheckpointError(f"{path}: unreadable buffer snapshot ({error})") from None
+
+
+def _lookup(config: dict[str, Any], dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def resume_mismatches(saved_config: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """``field: saved -> now`` for every resume-invariant field the new config changes."""
+    return [
+        f"{name}: {_lookup(saved_config, name)!r} -> {_lookup(config, name)!r}"
+        for name in RESUME_INVARIANT_FIELDS
+        if _lookup(saved_config, name) != _lookup(config, name)
+    ]

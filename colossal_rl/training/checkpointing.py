@@ -1,0 +1,76 @@
+"""A trainer rank's part of a checkpoint: model, optimizer, LR scheduler and RNG, through the Booster.
+
+Every rank calls :func:`save_trainer_state` / :func:`load_trainer_state` (with ZeRO, TP or PP the
+plugin's checkpoint IO is collective and each rank writes or reads its own shards). The driver
+renames the directory only after every rank has returned, so the commit is atomic.
+:func:`export_hf` writes the Hugging Face directory from the full state dict the weight sync
+already gathers. Plain functions, no Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+SCHEDULER_FILE = "lr_scheduler.pt"
+
+
+def _rng_file(directory: Path, rank: int) -> Path:
+    return directory / f"rng_rank{rank}.pt"
+
+
+def save_trainer_state(booster, model, optimizer, lr_scheduler, directory: Path, *, rank: int, step: int) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    booster.save_model(model, str(directory / MODEL_DIR), shard=True)  # tied weights: no safetensors
+    booster.save_optimizer(optimizer, str(directory / OPTIMIZER_DIR), shard=True)
+    if rank == 0:
+        booster.save_lr_scheduler(lr_scheduler, str(directory / SCHEDULER_FILE))
+    rng = {"step": step, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, _rng_file(directory, rank))
+
+
+def load_trainer_state(booster, model, optimizer, lr_scheduler, directory: Path, *, rank: int) -> int:
+    """Restore this rank's state from ``directory``; returns the optimizer step it was saved at."""
+    directory = Path(directory)
+    for needed in (directory / MODEL_DIR, directory / OPTIMIZER_DIR, directory / SCHEDULER_FILE):
+        if not needed.exists():
+            raise FileNotFoundError(f"{needed}: missing from the trainer checkpoint")
+    rng_path = _rng_file(directory, rank)
+    if not rng_path.is_file():
+        raise FileNotFoundError(f"{rng_path}: no RNG state for trainer rank {rank} (saved with fewer trainers?)")
+    booster.load_model(model, str(directory / MODEL_DIR))
+    booster.load_optimizer(optimizer, str(directory / OPTIMIZER_DIR))
+    booster.load_lr_scheduler(lr_scheduler, str(directory / SCHEDULER_FILE))
+    rng = torch.load(rng_path, weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return int(rng["step"])
+
+
+def export_hf(state_dict: dict[str, torch.Tensor], model_path: str, out_dir: Path) -> Path:
+    """A Hugging Face directory (safetensors, config, tokenizer) holding ``state_dict``'s weights.
+
+    The model is rebuilt from the original config and filled strictly, so a missing or misnamed
+    tensor fails here rather than in whoever loads the export; dtype is the training precision.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    config = AutoConfig.from_pretrained(model_path)
+    dtype = next(iter(state_dict.values())).dtype
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    model.load_state_dict(state_dict, strict=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(out_dir)
+    logger.info("exported a Hugging Face model to %s", out_dir)
+    return out_dir

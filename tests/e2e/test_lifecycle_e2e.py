@@ -1,0 +1,218 @@
+"""Run lifecycle end to end through ``rl_example.py``: exact resume after ``kill -9``, HF export, eval and
+rollout files, and a producer killed mid-run ending the run (bounded time, message naming it).
+
+Determinism makes the resume check exact: rows per round are a pure function of (seed, round,
+producer), sampling is reseeded per (round, producer), trainers run fp32 on CPU with fixed thread
+counts, and the checkpoint carries the rollouts generated but not yet trained. Floats are compared
+with a relative tolerance of 1e-6 (observed: bit-identical).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from colossal_rl.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 6
+KILL_AFTER_CHECKPOINT = 4
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+
+def command(save_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(REPO / "rl_example.py"),
+        "--no-wandb",
+        "--max-steps",
+        str(STEPS),
+        "-si",
+        "2",
+        "--save-limit",
+        "0",
+        "-ei",
+        "0",
+        "--log-rollout-interval",
+        "3",
+        "--timeout",
+        "120",
+        "-sd",
+        str(save_dir),
+        *extra,
+    ]
+
+
+def run_dir_in(save_dir: Path) -> Path:
+    (run_dir,) = [p for p in save_dir.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def train_records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def compared(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("time") and k != "time"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("uninterrupted")
+    # Profiling only records timings: the resumed run (without it) must still match this one exactly.
+    done = subprocess.run(
+        command(save_dir, "--enable_profiling"), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir_in(save_dir)
+
+
+def kill_driver_after_checkpoint(save_dir: Path, step: int) -> Path:
+    """Start a run, ``kill -9`` its driver as soon as the checkpoint of ``step`` is committed."""
+    driver = subprocess.Popen(command(save_dir), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 400
+    try:
+        while time.monotonic() < deadline:
+            found = list(save_dir.glob(f"*/checkpoints/step_{step:06d}/state.json"))
+            if found:
+                os.kill(driver.pid, signal.SIGKILL)
+                driver.wait(timeout=30)
+                return found[0].parent
+            assert driver.poll() is None, "the run ended before its checkpoint appeared"
+            time.sleep(0.1)
+        raise AssertionError(f"no checkpoint of step {step} within 400s")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_resume_after_kill_9_matches_the_uninterrupted_run(uninterrupted, tmp_path):
+    checkpoint = kill_driver_after_checkpoint(tmp_path / "killed", KILL_AFTER_CHECKPOINT)
+    killed_run = checkpoint.parents[1]
+    resumed_dir = tmp_path / "resumed"
+    done = subprocess.run(
+        command(resumed_dir, "-cp", str(checkpoint)), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr
+
+    expected = train_records(uninterrupted)
+    before_kill = train_records(killed_run)
+    resumed = train_records(run_dir_in(resumed_dir))
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert sorted(resumed) == list(range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1)), "resume must start after step k"
+    for step in range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1):
+        want, got = compared(expected[step]), compared(resumed[step])
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), f"step {step}: {key}"
+            else:  # counts, data indices, non-finite values (stored as strings)
+                assert got[key] == value, f"step {step}: {key}"
+
+    # Every prompt trained exactly once across the killed run (up to k) and the resumed one.
+    seen = [i for s in range(1, KILL_AFTER_CHECKPOINT + 1) for i in before_kill[s]["train/data_indices"]]
+    seen += [i for s in range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1) for i in resumed[s]["train/data_indices"]]
+    assert sorted(seen) == sorted(i for s in expected.values() for i in s["train/data_indices"])
+    assert len(seen) == len(set(seen)), "a prompt was trained twice within the episode"
+
+
+def test_checkpoints_are_committed_whole_and_export_loads_and_generates(uninterrupted):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoints = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    assert checkpoints == ["step_000002", "step_000004", "step_000006"], "no temporary dirs left, all kept"
+    last = uninterrupted / "checkpoints" / "step_000006"
+    state = json.loads((last / "state.json").read_text())
+    assert (state["step"], state["next_round"], state["policy_version"]) == (6, 6, 6)
+
+    export = last / "hf"
+    assert (export / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    base = AutoModelForCausalLM.from_pretrained(REPO / "colossal_rl" / "assets" / "tiny_qwen2")
+    changed = [n for n, p in model.state_dict().items() if not p.equal(base.state_dict()[n])]
+    assert changed, "the export holds the base weights, not the trained ones"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "12+34"}], add_generation_prompt=True, return_tensors="pt"
+    )
+    output = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert output.shape[1] > prompt.shape[1]
+
+
+def test_eval_before_training_is_logged_and_its_generations_written(uninterrupted):
+    evals = [r for r in read_metrics(uninterrupted / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, STEPS]
+    records = [json.loads(line) for line in (uninterrupted / "eval" / "math_step_0.jsonl").read_text().splitlines()]
+    assert len(records) == 200  # the embedded eval set
+    assert evals[0]["eval/math_accuracy"] == pytest.approx(sum(r["correct"] for r in records) / len(records))
+    assert 0.05 <= evals[0]["eval/math_accuracy"] <= 0.5  # the embedded model starts partially competent
+    rollouts = (uninterrupted / "rollouts" / "rollouts_step_3.jsonl").read_text().splitlines()
+    sample = json.loads(rollouts[0])
+    assert {"prompt", "response", "reward", "data_index"} <= sample.keys()
+
+
+def test_profile_has_every_actors_phases_and_renders(uninterrupted):
+    from PIL import Image
+
+    from colossal_rl.profiling import busy_fractions, read_spans
+
+    spans = read_spans(uninterrupted)
+    assert set(spans) == {"producer 0", "trainer 0"}
+    assert {"generate", "reward", "put", "sync", "eval"} <= {s.phase for s in spans["producer 0"]}
+    assert {"wait", "fetch", "forward_backward", "optimizer_step", "sync", "checkpoint"} <= {
+        s.phase for s in spans["trainer 0"]
+    }
+    fractions = busy_fractions(spans)
+    assert all(0.0 <= share <= 1.0 for shares in fractions.values() for share in shares.values())
+    done = subprocess.run(
+        [sys.executable, "-m", "colossal_rl.profiling", str(uninterrupted)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "producer 0" in done.stderr and "generate" in done.stderr
+    with Image.open(uninterrupted / "plots" / "profile_timeline.png") as image:
+        image.verify()
+
+
+def test_killing_a_producer_mid_run_ends_the_run_naming_it(tmp_path):
+    driver = subprocess.Popen(
+        command(tmp_path, "--max-steps", "40", "--timeout", "60"),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(driver.stderr), daemon=True)
+    reader.start()
+    started = time.monotonic()
+    producer_pid = None
+    while producer_pid is None and time.monotonic() - started < 300:
+        text = "".join(lines)
+        if "optimizer steps:" in text:
+            match = re.search(r"\(ProducerActor pid=(\d+)", text)
+            producer_pid = int(match.group(1)) if match else None
+        assert driver.poll() is None, "".join(lines)[-3000:]
+        time.sleep(0.2)
+    assert producer_pid is not None, "the run never started training"
+    os.kill(producer_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        returncode = driver.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        raise AssertionError("the run hung after its producer was killed") from None
+    reader.join(timeout=10)
+    assert returncode == 2
+    assert time.monotonic() - killed_at < 120
+    assert re.search(r"ERROR .*producer 0 \(\w+\) (failed|died)", "".join(lines)), "".join(lines)[-3000:]

@@ -1,0 +1,98 @@
+"""Checkpoint layout: atomic commit, retention, ``-cp`` resolution, resume-invariant fields; eval dir refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from colossal_rl import checkpoint as ckpt
+from colossal_rl.comm.buffer import BufferSnapshot
+from colossal_rl.config import RLConfig, ScheduleConfig
+from colossal_rl.run_outputs import OutputDirError, prepare_eval_dir, write_eval_generations
+
+
+def state(step: int, run_dir: str = "run") -> ckpt.RunState:
+    return ckpt.RunState(
+        step=step,
+        next_round=step,
+        policy_version=step,
+        dropped_stale_groups=0,
+        next_eval_step=20,
+        eval_accuracy_before={"math": 0.2},
+        run_dir=run_dir,
+        config={"schedule": {"n_behind": 1}},
+        pending_rollout_metrics={"3": [{"rollout/reward": 0.5}]},
+    )
+
+
+EMPTY_BUFFER = BufferSnapshot(payloads=[], rounds={}, pool=[], last_dealt_round=1, dropped_stale_groups=0)
+
+
+def save(checkpoints, step: int):
+    staging = ckpt.staging_dir(checkpoints, step)
+    (staging / "trainer").mkdir()
+    return ckpt.commit(staging, state(step), EMPTY_BUFFER)
+
+
+def test_commit_renames_a_complete_directory_and_round_trips_the_state(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    staging = ckpt.staging_dir(checkpoints, 4)
+    assert staging.name.startswith(".") and ckpt.complete_checkpoints(checkpoints) == []
+    buffer = BufferSnapshot(
+        payloads=["batch"], rounds={5: {0: (0, 2, 4)}}, pool=[], last_dealt_round=4, dropped_stale_groups=3
+    )
+    final = ckpt.commit(staging, state(4), buffer)
+    assert final == checkpoints / "step_000004" and not staging.exists()
+    assert ckpt.load_state(final) == state(4)
+    assert ckpt.load_buffer(final) == buffer
+
+
+def test_interrupted_save_is_not_a_checkpoint_and_is_cleared_on_the_next_try(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    save(checkpoints, 2)
+    half = ckpt.staging_dir(checkpoints, 4)
+    (half / "trainer").mkdir()  # killed here: no state.json, never renamed
+    assert [p.name for p in ckpt.complete_checkpoints(checkpoints)] == ["step_000002"]
+    assert ckpt.resolve(tmp_path) == checkpoints / "step_000002"
+    assert not any(ckpt.staging_dir(checkpoints, 4).iterdir()), "a retry starts from an empty staging dir"
+
+
+def test_prune_keeps_the_newest_and_resolve_accepts_run_checkpoints_or_checkpoint_dirs(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for step in (2, 4, 10, 6):
+        save(checkpoints, step)
+    removed = ckpt.prune(checkpoints, keep=2)
+    assert [p.name for p in removed] == ["step_000002", "step_000004"]
+    assert [p.name for p in ckpt.complete_checkpoints(checkpoints)] == ["step_000006", "step_000010"]
+    assert ckpt.resolve(tmp_path) == ckpt.resolve(checkpoints) == checkpoints / "step_000010"
+    assert ckpt.resolve(checkpoints / "step_000006") == checkpoints / "step_000006"
+    assert ckpt.prune(checkpoints, keep=0) == []
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
+        ckpt.resolve(tmp_path / "elsewhere")
+
+
+def test_unreadable_state_names_the_file(tmp_path):
+    (tmp_path / "state.json").write_text("{not json")
+    with pytest.raises(ckpt.CheckpointError, match=r"state\.json: unreadable"):
+        ckpt.load_state(tmp_path)
+
+
+def test_resume_mismatches_name_fields_that_decide_the_data_and_ignore_the_rest():
+    saved = json.loads(json.dumps(dataclasses.asdict(RLConfig())))
+    longer = dataclasses.replace(RLConfig(), schedule=ScheduleConfig(num_episodes=3, max_steps=500))
+    assert ckpt.resume_mismatches(saved, json.loads(json.dumps(dataclasses.asdict(longer)))) == []
+    other = dataclasses.replace(RLConfig(), schedule=ScheduleConfig(num_producers=2, inference_batch_size=8))
+    problems = ckpt.resume_mismatches(saved, json.loads(json.dumps(dataclasses.asdict(other))))
+    assert problems == ["schedule.num_producers: 1 -> 2", "schedule.inference_batch_size: 16 -> 8"]
+
+
+def test_eval_dir_with_files_is_refused_unless_overwrite_is_allowed(tmp_path):
+    directory = prepare_eval_dir(tmp_path / "eval", overwrite=False)
+    write_eval_generations(directory, 0, {"math": [{"index": 1, "correct": True}, {"index": 0, "correct": False}]})
+    lines = (directory / "math_step_0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == [0, 1]
+    with pytest.raises(OutputDirError, match="-esd/--eval-save-dir .* --overwrite-eval-dir"):
+        prepare_eval_dir(directory, overwrite=False)
+    assert prepare_eval_dir(directory, overwrite=True) == directory
