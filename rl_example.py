@@ -26,6 +26,7 @@ from colossal_rl.config import (
     RunConfig,
     ScheduleConfig,
     TrainConfig,
+    VllmEngineConfig,
 )
 
 logger = logging.getLogger("colossal_rl")
@@ -43,6 +44,8 @@ FIELD_FLAGS = {
     "generation.max_new_tokens": "-mnt/--max-new-tokens",
     "generation.microbatch_size": "-imbs/--inference-microbatch-size",
     "generation.tensor_parallel_size": "-ptp/--producer-tensor-parallel-size",
+    "generation.vllm.gpu_memory_utilization": "--gpu-memory-utilization",
+    "generation.vllm.max_model_len": "--max-model-len",
     "algorithm.kl_coeff": "-kl/--kl-coeff",
     "train.learning_rate": "-lr/--learning-rate",
     "train.batch_size": "-tbs/--train-batch-size",
@@ -64,6 +67,8 @@ FIELD_FLAGS = {
     "run.log_rollout_interval": "--log-rollout-interval",
     "train.warmup_steps": "--warmup-steps",
     "run.timeout_s": "--timeout",
+    "run.producer_threads": "--producer-threads",
+    "run.trainer_threads": "--trainer-threads",
 }
 
 
@@ -114,7 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-zero", "--zero-stage", type=int, default=0)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=defaults.parallel.precision)
     p.add_argument("--ray_dir", default=None, help="Ray temporary directory.")
-    p.add_argument("--master_address", default=None, help="Join the Ray cluster started on this head node.")
+    p.add_argument(
+        "--master_address",
+        default=None,
+        help="Join the Ray cluster whose head is here: host (port 6379), host:port, auto or ray://host:port.",
+    )
     p.add_argument("--master_port", type=int, default=defaults.run.master_port)
     p.add_argument(
         "-b",
@@ -131,6 +140,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-mpt", "--max-prompt-tokens", type=int, default=defaults.data.max_prompt_tokens)
     p.add_argument(
         "-ptp", "--producer-tensor-parallel-size", type=int, default=1, help="GPUs per producer (-b vllm only)."
+    )
+    vllm_defaults = defaults.generation.vllm
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=vllm_defaults.gpu_memory_utilization,
+        help="Share of each producer GPU for vLLM's weights and KV cache (-b vllm only).",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=vllm_defaults.enforce_eager,
+        help="vLLM without CUDA graphs (-b vllm only).",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=vllm_defaults.enable_chunked_prefill,
+        help="vLLM chunked prefill (-b vllm only).",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=vllm_defaults.max_model_len,
+        help="vLLM context length; default: -mpt + -mnt, capped by the model's (-b vllm only).",
     )
     p.add_argument(
         "-a",
@@ -171,20 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
     p.add_argument("--seed", type=int, default=defaults.run.seed)
     p.add_argument("--timeout", type=float, default=defaults.run.timeout_s, help="Seconds any single wait may take.")
+    p.add_argument(
+        "--producer-threads", type=int, default=None, help="torch threads per producer (default: cores split evenly)."
+    )
+    p.add_argument(
+        "--trainer-threads", type=int, default=None, help="torch threads per trainer (default: cores split evenly)."
+    )
     p.add_argument("--no-wandb", action="store_true", help="Write metrics.jsonl only.")
     return p
 
 
-def _refuse_unsupported(args: argparse.Namespace) -> None:
-    """Flags whose feature is not built yet: refuse loudly rather than ignore."""
-    unsupported = {
-        "-tp/--tensor-parallel-size > 1": args.tensor_parallel_size > 1,
-        "-pp/--pipeline-parallel-size > 1": args.pipeline_parallel_size > 1,
-    }
-    named = [flag for flag, used in unsupported.items() if used]
-    if named:
-        raise UsageError(f"not yet supported: {', '.join(named)}")
+def _check_flags_against_environment(args: argparse.Namespace) -> None:
+    """Flags that depend on what is installed or reachable, checked before Ray starts."""
     _check_backend(args)
+    _check_master_address(args)
 
 
 def _check_backend(args: argparse.Namespace) -> None:
@@ -194,8 +228,25 @@ def _check_backend(args: argparse.Namespace) -> None:
 
         if not vllm_installed():
             raise UsageError(VLLM_MISSING)
+        from colossal_rl.rollout.vllm_weights import installed_vllm_version, untested_version_warning
+
+        version = installed_vllm_version()
+        if version is not None and (warning := untested_version_warning(version)) is not None:
+            logger.warning("%s", warning)
     elif args.producer_tensor_parallel_size > 1:
         raise UsageError("-ptp/--producer-tensor-parallel-size > 1 needs -b vllm (tensor-parallel producers)")
+
+
+def _check_master_address(args: argparse.Namespace) -> None:
+    """--master_address must map to a Ray address (host, host:port, auto or ray://...) before Ray starts."""
+    if args.master_address is None:
+        return
+    from colossal_rl.placement import ray_address
+
+    try:
+        ray_address(args.master_address)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _eval_paths(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -214,7 +265,7 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
     """Build and validate the run config; errors name the flag."""
     from colossal_rl.presets import algorithm_preset
 
-    _refuse_unsupported(args)
+    _check_flags_against_environment(args)
     try:
         algorithm: AlgorithmConfig = algorithm_preset(
             args.algo, kl_coeff=args.kl_coeff, max_new_tokens=args.max_new_tokens, n_behind=args.n_behind
@@ -238,6 +289,12 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 microbatch_size=args.inference_microbatch_size,
                 tensor_parallel_size=args.producer_tensor_parallel_size,
                 stop_strings=("</answer>",) if args.reward_type == "think_answer_tags" else (),
+                vllm=VllmEngineConfig(
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    enforce_eager=args.enforce_eager,
+                    enable_chunked_prefill=args.enable_chunked_prefill,
+                    max_model_len=args.max_model_len,
+                ),
             ),
             algorithm=algorithm,
             train=TrainConfig(
@@ -278,6 +335,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 checkpoint_path=args.checkpoint_path,
                 seed=args.seed,
                 timeout_s=args.timeout,
+                producer_threads=args.producer_threads,
+                trainer_threads=args.trainer_threads,
                 ray_dir=args.ray_dir,
                 master_address=args.master_address,
                 master_port=args.master_port,

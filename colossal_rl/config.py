@@ -62,6 +62,28 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VllmEngineConfig:
+    """Engine settings of the vLLM backend (``-b vllm``); the transformers backend ignores them.
+
+    Defaults are ColossalChat's for its vLLM producers.
+    """
+
+    gpu_memory_utilization: float = 0.7
+    """Share of each producer GPU vLLM may take for weights and KV cache; the rest holds the weight-sync
+    receive buffers (one more copy of the weights) and CUDA overheads."""
+    enforce_eager: bool = True
+    """Run without CUDA graphs: slower decoding, but no graph-capture time or memory at start-up."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts' prefill into chunks scheduled together with decoding steps."""
+    max_model_len: int | None = None
+    """Longest prompt + response the engine holds; None: -mpt + -mnt, capped by the model's context length."""
+
+    def validate(self) -> None:
+        _require(0 < self.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
+        _require(self.max_model_len is None or self.max_model_len >= 1, "generation.vllm.max_model_len", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class GenerationConfig:
     backend: Backend = "transformers"
     """Inference engine of the producers."""
@@ -82,7 +104,9 @@ class GenerationConfig:
     eval_temperature: float = 0.0
     """Sampling temperature for evaluation; 0 means greedy."""
     tensor_parallel_size: int = 1
-    """Tensor-parallel size of each producer's engine (vLLM only)."""
+    """Tensor-parallel size of each producer's engine, in GPUs of one node (vLLM only)."""
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+    """Engine settings used when ``backend`` is vllm."""
 
     def validate(self) -> None:
         _require(self.num_generations >= 1, "generation.num_generations", "must be >= 1")
@@ -93,6 +117,12 @@ class GenerationConfig:
         _require(self.microbatch_size >= 1, "generation.microbatch_size", "must be >= 1")
         _require(self.eval_temperature >= 0, "generation.eval_temperature", "must be >= 0")
         _require(self.tensor_parallel_size >= 1, "generation.tensor_parallel_size", "must be >= 1")
+        _require(
+            self.tensor_parallel_size == 1 or self.backend == "vllm",
+            "generation.tensor_parallel_size",
+            "tensor-parallel producers need the vllm backend",
+        )
+        self.vllm.validate()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +222,18 @@ class ParallelConfig:
             f"{self.num_trainers} trainers are not divisible by tp*pp = {self.tp_size * self.pp_size}",
         )
         _require(self.zero_stage in (0, 1, 2), "parallel.zero_stage", "must be 0, 1 or 2")
+        if self.tp_size > 1 or self.pp_size > 1:  # ColossalAI's HybridParallelPlugin trains these layouts
+            _require(
+                self.zero_stage == 0 or self.precision != "fp32",
+                "parallel.precision",
+                "ZeRO with tensor or pipeline parallelism runs only in bf16 or fp16 (ColossalAI's hybrid plugin); "
+                "pass bf16, or drop ZeRO",
+            )
+            _require(
+                self.zero_stage < 2 or self.pp_size == 1,
+                "parallel.zero_stage",
+                "pipeline parallelism allows ZeRO 0 or 1",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,8 +294,14 @@ class RunConfig:
     """Address of an existing Ray cluster head; None starts Ray locally."""
     master_port: int = 29506
     """Port base for the trainers' process group."""
+    producer_threads: int | None = None
+    """torch intra-op threads per producer; None: the machine's cores split evenly over all actors."""
+    trainer_threads: int | None = None
+    """torch intra-op threads per trainer; None: the machine's cores split evenly over all actors."""
 
     def validate(self) -> None:
+        _require(self.producer_threads is None or self.producer_threads >= 1, "run.producer_threads", "must be >= 1")
+        _require(self.trainer_threads is None or self.trainer_threads >= 1, "run.trainer_threads", "must be >= 1")
         _require(self.eval_interval >= 0, "run.eval_interval", "must be >= 0")
         _require(self.save_interval >= 0, "run.save_interval", "must be >= 0")
         _require(self.save_limit >= 0, "run.save_limit", "must be >= 0")
@@ -315,6 +363,23 @@ class RLConfig:
             "train.microbatch_size",
             f"microbatch {train.microbatch_size} samples exceeds minibatch {train.minibatch_size} prompts x "
             f"{gen.num_generations} generations",
+        )
+        if par.pp_size > 1:  # the pipeline schedule splits a step's samples into micro-batches of tmbs // pp
+            step_samples = train.minibatch_size * gen.num_generations
+            pipeline_micro = max(1, train.microbatch_size // par.pp_size)
+            _require(
+                step_samples % pipeline_micro == 0 and step_samples // pipeline_micro >= par.pp_size,
+                "train.microbatch_size",
+                f"a step's {step_samples} samples (minibatch {train.minibatch_size} x {gen.num_generations} "
+                f"generations) must split into at least pp = {par.pp_size} pipeline micro-batches of "
+                f"microbatch {train.microbatch_size} // pp = {pipeline_micro}",
+            )
+        sequence = self.data.max_prompt_tokens + gen.max_new_tokens
+        _require(
+            gen.vllm.max_model_len is None or gen.vllm.max_model_len >= sequence,
+            "generation.vllm.max_model_len",
+            f"{gen.vllm.max_model_len} is shorter than max_prompt_tokens + max_new_tokens = "
+            f"{self.data.max_prompt_tokens} + {gen.max_new_tokens} = {sequence}",
         )
         global_prompts = sched.num_producers * sched.inference_batch_size
         per_step = par.dp_size * train.batch_size

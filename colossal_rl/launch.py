@@ -99,10 +99,17 @@ def init_ray(config: RLConfig) -> None:
     env = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     runtime_env = {"env_vars": env}
     if config.run.master_address:
-        ray.init(address="auto", _temp_dir=config.run.ray_dir, runtime_env=runtime_env, log_to_driver=True)
+        from colossal_rl.placement import ray_address
+
+        address = ray_address(config.run.master_address)
+        logger.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, _temp_dir=config.run.ray_dir, runtime_env=runtime_env, log_to_driver=True)
         return
     num_actors = config.schedule.num_producers + config.parallel.num_trainers + 1
+    # address="local": always a fresh local instance, never a cluster another process happens to have
+    # running on this machine (ray.init() without an address would join it); --master_address joins one.
     ray.init(
+        address="local",
         num_cpus=max(num_actors, os.cpu_count() or 1),
         _temp_dir=config.run.ray_dir,
         runtime_env=runtime_env,
@@ -131,14 +138,20 @@ class Driver:
 
     def __init__(self, config: RLConfig, run_dir: Path, metrics: MetricsLogger):
         from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor, free_port
-        from colossal_rl.placement import actor_options
+        from colossal_rl.placement import actor_options, threads_per_actor
 
         self.config = config
         self.run_dir = run_dir
         self.metrics = metrics
         self.timeout = config.run.timeout_s
         sched, par = config.schedule, config.parallel
-        threads = max(1, (os.cpu_count() or 1) // (sched.num_producers + par.num_trainers))
+        producer_threads, trainer_threads = threads_per_actor(
+            os.cpu_count() or 1,
+            sched.num_producers,
+            par.num_trainers,
+            config.run.producer_threads,
+            config.run.trainer_threads,
+        )
         self.buffer = BufferActor.remote(
             num_producers=sched.num_producers,
             dp_size=par.dp_size,
@@ -155,12 +168,12 @@ class Driver:
         )
         self.trainers = [
             TrainerActor.options(**placement.trainers[rank]).remote(
-                rank, par.num_trainers, config, placement.trainer_master_address, master_port, threads
+                rank, par.num_trainers, config, placement.trainer_master_address, master_port, trainer_threads
             )
             for rank in range(par.num_trainers)
         ]
         self.producers = [
-            ProducerActor.options(**placement.producers[rank]).remote(rank, config, threads)
+            ProducerActor.options(**placement.producers[rank]).remote(rank, config, producer_threads)
             for rank in range(sched.num_producers)
         ]
         self.step = 0
@@ -300,7 +313,8 @@ class Driver:
             merged = {
                 k: sum(r["steps"][step_index][k] for r in trainer_results) / len(trainer_results) for k in rank0_metrics
             }
-            merged["train/loss"] = rank0_metrics["train/loss"]  # already the global loss
+            for already_global in ("train/loss", "train/entropy"):  # summed over data-parallel ranks by the trainers
+                merged[already_global] = rank0_metrics[already_global]
             merged["buffer/dropped_stale_groups"] = self.dropped_stale_groups
             merged["train/data_indices"] = sorted(i for r in trainer_results for i in r["data_indices"][step_index])
             self.metrics.log("train", self.step, merged)

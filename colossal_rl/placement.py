@@ -3,7 +3,7 @@
 On GPUs: a producer takes ``-ptp`` GPUs of one node (its vLLM tensor-parallel workers must share a
 node) and a trainer takes one GPU. GPUs are handed out in node order — the head node first, then
 the others by address — producers first, so producers fill the lower nodes and trainers the
-higher ones (on one 8-GPU node: producers on GPUs 0.., trainers on the rest). Each actor is pinned
+higher ones (on one node, Ray picks which GPU ids each actor gets). Each actor is pinned
 to its node with a hard ``NodeAffinitySchedulingStrategy`` and asks Ray for its GPUs, which makes
 Ray set ``CUDA_VISIBLE_DEVICES`` for it. Ray placement groups are not used: inside one, vLLM would
 switch to its Ray executor and ask Ray for GPUs the producer already holds.
@@ -12,7 +12,7 @@ On a cluster without GPUs the same order is applied to CPUs, as a soft preferenc
 GPUs and Ray may place them elsewhere rather than wait (a CPU actor only needs a CPU to start).
 
 ``plan_placement`` is plain data in, plain data out; ``ActorPlacement.ray_options`` builds the
-``.options(...)`` keyword arguments (importing Ray only then).
+``.options(...)`` keyword arguments (importing Ray only then). ``ray_address`` says which cluster to join.
 """
 
 from __future__ import annotations
@@ -23,6 +23,28 @@ from typing import Any
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 LOCAL_ADDRESS = "127.0.0.1"
+RAY_DEFAULT_PORT = 6379
+"""The port ``ray start --head`` listens on unless given ``--port``."""
+
+
+def ray_address(master_address: str) -> str:
+    """The ``ray.init(address=...)`` of ``--master_address``: ``host`` -> ``host:6379``; ``host:port``,
+    ``[ipv6]:port``, ``auto`` and ``ray://...`` (Ray Client) are kept; a bare IPv6 address gets brackets."""
+    address = master_address.strip()
+    if not address:
+        raise ValueError("--master_address is empty")
+    if address == "auto" or "://" in address:
+        return address
+    if address.startswith("["):
+        return address if "]:" in address else f"{address}:{RAY_DEFAULT_PORT}"
+    if address.count(":") > 1:  # a bare IPv6 address
+        return f"[{address}]:{RAY_DEFAULT_PORT}"
+    if ":" in address:
+        host, port = address.rsplit(":", 1)
+        if not host or not port.isdigit():
+            raise ValueError(f"--master_address {master_address!r}: expected host or host:port")
+        return address
+    return f"{address}:{RAY_DEFAULT_PORT}"
 
 
 class PlacementError(ValueError):
@@ -68,6 +90,22 @@ class Placement:
         if len({trainer.node_id for trainer in self.trainers}) <= 1:
             return LOCAL_ADDRESS
         return self.trainers[0].address
+
+
+def threads_per_actor(
+    cpu_count: int,
+    num_producers: int,
+    num_trainers: int,
+    producer_threads: int | None = None,
+    trainer_threads: int | None = None,
+) -> tuple[int, int]:
+    """(producer, trainer) torch intra-op threads: the given counts, else ``cpu_count`` split evenly (>= 1).
+
+    On a small CPU machine every actor shares the same cores, and more threads than cores slows all of
+    them (spinning OpenMP workers), so the default never oversubscribes.
+    """
+    even = max(1, cpu_count // (num_producers + num_trainers))
+    return producer_threads or even, trainer_threads or even
 
 
 def alive_nodes(ray_nodes: Iterable[Mapping[str, Any]]) -> list[NodeInfo]:

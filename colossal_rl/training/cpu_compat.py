@@ -4,7 +4,7 @@ ColossalAI's CPU accelerator raises on most device APIs, and a few code paths as
 torch with Ascend support. Out of the box only ``TorchDDPPlugin`` trains on CPU; with the patches
 below ZeRO-1/2, tensor parallelism (also with split_gather sequence parallelism) and pipeline
 parallelism train too, with losses equal to a single-process reference (see
-``tests/dist/test_plugins_cpu.py``). Each patch says why it exists; removing any one of them breaks a
+``tests/dist/test_plugin_layouts.py``). Each patch says why it exists; removing any one of them breaks a
 layout of that test (or fp16 ZeRO), except ``synchronize`` and ``empty_cache``, which guard code paths
 outside it (checkpoint loading, GPU-style training loops).
 

@@ -80,7 +80,7 @@ def gather_stage_state_dict(
 def strip_vocab_padding(state_dict: StateDict, model: torch.nn.Module) -> StateDict:
     """Cut the output embedding back to ``config.vocab_size`` rows.
 
-    Under tensor parallelism ColossalAI pads the vocabulary to a multiple of 64 * tp. Its parallel
+    Under tensor parallelism ColossalAI pads the vocabulary (to a multiple of tp: see ``make_hybrid_plugin``). Its parallel
     embedding strips the padding from its state dict, but with tied embeddings the LM head (a plain
     column-parallel linear in the Qwen2 policy) shares the padded weight and returns it whole: the
     producers would get ``lm_head.weight`` with more rows than their model has.

@@ -126,6 +126,11 @@ def make_hybrid_plugin(
         overlap_communication=not on_cpu,
         enable_sequence_parallelism=sequence_parallelism,
         sequence_parallelism_mode="split_gather" if sequence_parallelism else None,
+        # ColossalAI pads the vocabulary to a multiple of 64 * tp by default. With tied embeddings and tp = 1
+        # that pads the shared weight itself: the LM head then returns padding logits (0, not -inf) that skew
+        # every softmax, pipeline stages all-reduce the tied weight's gradients at different sizes (a gloo
+        # crash), and state_dict() raises on the padded parameter. Pad only to a multiple of tp.
+        make_vocab_size_divisible_by=1,
         **pipeline_kwargs,
     )
 

@@ -107,26 +107,42 @@ class Trainer:
         dist.all_reduce(tensor, group=self.dp_group)
         return float(tensor.item())
 
-    def _response_logprobs(self, model, input_ids, attention_mask, prompt_len, response_ids) -> torch.Tensor:
+    def _forward(self, model, input_ids, attention_mask) -> torch.Tensor:
         outputs = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
         )
-        return self._logprobs_from_outputs(outputs.logits, prompt_len, response_ids, vocab_parallel=model is self.model)
+        return outputs.logits
 
-    def _logprobs_from_outputs(self, logits, prompt_len, response_ids, *, vocab_parallel: bool) -> torch.Tensor:
-        """Log-probabilities [B, R] of the response tokens from logits [B, L, V] over prompt + response.
+    def _response_logits(self, logits, prompt_len, *, vocab_parallel: bool) -> torch.Tensor:
+        """Logits [B, R, V] that predict the response tokens, from logits [B, L, V] over prompt + response.
 
         ``vocab_parallel``: the logits are the policy's, vocab-sharded under tensor parallelism.
         """
-        from colossal_rl.algorithms import logprobs_from_logits
         from colossal_rl.training.plugins import gather_vocab_parallel_logits
 
         if vocab_parallel and self.tp_group is not None:
             logits = gather_vocab_parallel_logits(logits, self.tp_group, self.vocab_size)
-        response_logits = logits[:, prompt_len - 1 : -1]  # logits at t predict token t + 1
-        return logprobs_from_logits(
-            response_logits, response_ids, temperature=self.config.generation.temperature, chunk_size=256
-        )
+        return logits[:, prompt_len - 1 : -1]  # logits at t predict token t + 1
+
+    def _response_logprobs(self, response_logits, response_ids) -> torch.Tensor:
+        """Log-probabilities [B, R] of the response tokens at the sampling temperature (differentiable)."""
+        from colossal_rl.algorithms import logprobs_from_logits
+
+        temperature = self.config.generation.temperature
+        return logprobs_from_logits(response_logits, response_ids, temperature=temperature, chunk_size=256)
+
+    def _response_entropy(self, response_logits) -> torch.Tensor:
+        """Policy entropy [B, R] at each response position, at the sampling temperature (a metric: no grad)."""
+        from colossal_rl.algorithms import entropy_from_logits
+
+        with torch.no_grad():
+            temperature = self.config.generation.temperature
+            return entropy_from_logits(response_logits.detach(), temperature=temperature, chunk_size=256)
+
+    def _policy_terms(self, logits, prompt_len, response_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities, entropy) [B, R] of the policy's response tokens from its logits over the sequence."""
+        response_logits = self._response_logits(logits, prompt_len, vocab_parallel=True)
+        return self._response_logprobs(response_logits, response_ids), self._response_entropy(response_logits)
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Forward/backward over micro-batches of the step's samples, then one optimizer step.
@@ -148,7 +164,8 @@ class Trainer:
         with self.phases.record("optimizer_step"):
             grad_norm = self._optimizer_step()
         self.step += 1
-        totals["train/loss"] = self._global_sum(totals["train/loss"])
+        for summed in ("train/loss", "train/entropy"):  # each rank holds its tokens' share of the step's total
+            totals[summed] = self._global_sum(totals[summed])
         totals.update({"train/grad_norm": grad_norm, "time/train_step_s": time.perf_counter() - started})
         return totals
 
@@ -160,10 +177,9 @@ class Trainer:
         totals: dict[str, float] = {}
         for start in range(0, batch.num_samples, micro):
             part = slice(start, start + micro)
-            new_logprobs = self._response_logprobs(
-                self.model, input_ids[part], attention_mask[part], prompt_len, batch.response_ids[part]
-            )
-            loss = self._micro_batch_loss(new_logprobs, batch, part, counts, totals)
+            logits = self._forward(self.model, input_ids[part], attention_mask[part])
+            new_logprobs, entropy = self._policy_terms(logits, prompt_len, batch.response_ids[part])
+            loss = self._micro_batch_loss(new_logprobs, entropy, batch, part, counts, totals)
             # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
             self.booster.backward(loss * self.dp_size, self.optimizer)
         return totals
@@ -171,11 +187,11 @@ class Trainer:
     def _pipeline_forward_backward(self, batch: RolloutBatch, counts: tuple[float, float]) -> dict[str, float]:
         """The same gradients through ColossalAI's 1F1B pipeline schedule (pipeline micro-batches).
 
-        The schedule slices the inputs into micro-batches of ``plugin.microbatch_size`` and calls the
+        The schedule slices the inputs into micro-batches of the schedule's ``microbatch_size`` and calls the
         criterion on the last stage once per micro-batch, in order; the criterion picks that
         micro-batch's response tokens and advantages from ``batch``. The metrics are the last stage's.
         """
-        micro = self.plugin.microbatch_size
+        micro = self.plugin.scheduler.microbatch_size  # the plugin keeps it only on its pipeline schedule
         num_micro = batch.num_samples // micro
         if num_micro * micro != batch.num_samples or num_micro < self.plugin.pp_size:
             raise ValueError(
@@ -189,10 +205,8 @@ class Trainer:
 
         def criterion(outputs, inputs) -> torch.Tensor:
             part = slice(start := next(starts), start + micro)
-            new_logprobs = self._logprobs_from_outputs(
-                outputs.logits, prompt_len, batch.response_ids[part], vocab_parallel=True
-            )
-            loss = self._micro_batch_loss(new_logprobs, batch, part, counts, totals)
+            new_logprobs, entropy = self._policy_terms(outputs.logits, prompt_len, batch.response_ids[part])
+            loss = self._micro_batch_loss(new_logprobs, entropy, batch, part, counts, totals)
             return loss * self.dp_size * num_micro  # the schedule divides by the number of micro-batches
 
         inputs = {
@@ -213,25 +227,26 @@ class Trainer:
     def _micro_batch_loss(
         self,
         new_logprobs: torch.Tensor,
+        entropy: torch.Tensor,
         batch: RolloutBatch,
         part: slice,
         counts: tuple[float, float],
         totals: dict[str, float],
     ) -> torch.Tensor:
-        """The objective of samples ``part`` with the step's global (token, sample) ``counts``; adds metrics."""
+        """The objective of samples ``part`` with the step's global (token, sample) ``counts``; adds metrics.
+
+        ``train/entropy`` is summed over this part's loss tokens and divided by the step's global token
+        count, so after the sum over data-parallel ranks it is the mean entropy per trained token.
+        """
         from colossal_rl.training.objective import policy_objective
 
         ref_logprobs = None
         if self.reference_model is not None:
             input_ids, attention_mask = batch.sequences()
             with torch.no_grad():
-                ref_logprobs = self._response_logprobs(
-                    self.reference_model,
-                    input_ids[part],
-                    attention_mask[part],
-                    batch.prompt_ids.shape[1],
-                    batch.response_ids[part],
-                )
+                ref_logits = self._forward(self.reference_model, input_ids[part], attention_mask[part])
+                ref_response_logits = self._response_logits(ref_logits, batch.prompt_ids.shape[1], vocab_parallel=False)
+                ref_logprobs = self._response_logprobs(ref_response_logits, batch.response_ids[part])
         loss, metrics = policy_objective(
             new_logprobs=new_logprobs,
             old_logprobs=new_logprobs.detach(),  # one update per batch: the policy before this step
@@ -247,6 +262,8 @@ class Trainer:
         )
         weight = new_logprobs.shape[0] / batch.num_samples
         totals["train/loss"] = totals.get("train/loss", 0.0) + float(loss.detach())
+        loss_tokens = batch.response_mask[part].float() * batch.loss_mask[part][:, None]
+        totals["train/entropy"] = totals.get("train/entropy", 0.0) + float((entropy * loss_tokens).sum()) / counts[0]
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) * weight
         return loss

@@ -137,20 +137,27 @@ def test_single_field_errors_name_the_flag(argv, flag):
     assert usage_error(*argv).startswith(f"{flag}:")
 
 
-# --- features not built yet are refused, never ignored -----------------------------------------------------
+def test_consumer_parallelism_flags_build_their_layout():
+    parallel = config_for("-t", "2", "-tp", "2").parallel
+    assert (parallel.tp_size, parallel.dp_size, parallel.zero_stage, parallel.precision) == (2, 1, 0, "fp32")
+    assert config_for("-t", "2", "-zero", "1", "-tbs", "8", "-tMbs", "8").parallel.zero_stage == 1  # fp32 ZeRO
+    assert config_for("-t", "2", "-tp", "2", "-zero", "1", "--precision", "bf16").parallel.precision == "bf16"
+    pipeline = config_for("-t", "2", "-pp", "2", "-tbs", "8", "-tMbs", "8").parallel
+    assert (pipeline.pp_size, pipeline.tp_size, pipeline.dp_size) == (2, 1, 1)
 
 
-@pytest.mark.parametrize(
-    ("argv", "flag"),
-    [
-        (["-pp", "2"], "-pp/--pipeline-parallel-size"),
-        (["-t", "3", "-tp", "2"], "-tp/--tensor-parallel-size"),
-    ],
-)
-def test_unsupported_flags_are_refused_by_name(argv, flag):
-    message = usage_error(*argv)
-    assert message.startswith("not yet supported: ")
-    assert flag in message
+def test_pipeline_needs_enough_micro_batches():
+    # 1 prompt x 1 generation a step cannot fill 2 pipeline stages
+    message = usage_error(
+        "-t", "2", "-pp", "2", "-g", "1", "-ibs", "1", "-imbs", "1", "-tbs", "1", "-tMbs", "1", "-tmbs", "1"
+    )
+    assert message.startswith("-tmbs/--train-microbatch-size:") and "pipeline micro-batches" in message
+
+
+def test_zero_with_tensor_parallelism_asks_for_low_precision():
+    message = usage_error("-t", "2", "-tp", "2", "-zero", "1")
+    assert message.startswith("--precision:") and "bf16" in message
+    assert usage_error("-t", "3", "-tp", "2").startswith("-t/--num-trainers:")
 
 
 @pytest.mark.parametrize("value", ["{not json", '["a.jsonl"]', '{"math": 3}'])
@@ -240,11 +247,6 @@ def test_main_missing_model_directory(model, caplog, capsys):
     assert message.startswith("-m/--model:") and repr(model) in message
 
 
-def test_main_unsupported_flag(caplog, capsys):
-    message = run_main_expecting_input_error(["-pp", "2", "--no-wandb"], caplog, capsys)
-    assert message.startswith("not yet supported:")
-
-
 def test_main_dataset_smaller_than_one_round(tmp_path, caplog, capsys):
     small = tmp_path / "small.jsonl"
     small.write_text("".join(EMBEDDED_TRAIN_DATA.read_text().splitlines(keepends=True)[:3]))
@@ -261,3 +263,19 @@ def test_check_inputs_accepts_a_hub_name_without_touching_the_network():
 
 def test_check_inputs_passes_on_the_embedded_defaults():
     check_inputs(config_for())
+
+
+def test_master_address_is_checked_before_ray_starts():
+    assert usage_error("--master_address", "head:port").startswith("--master_address 'head:port'")
+    assert config_for("--master_address", "10.0.0.1").run.master_address == "10.0.0.1"
+
+
+def test_main_vllm_without_vllm_is_one_error_line_saying_what_to_install(caplog, capsys):
+    message = run_main_expecting_input_error(["-b", "vllm"], caplog, capsys)
+    assert 'pip install -e ".[gpu]"' in message
+
+
+def test_thread_flags_reach_the_run_config():
+    run = config_for("--trainer-threads", "2").run
+    assert (run.producer_threads, run.trainer_threads) == (None, 2)
+    assert usage_error("--producer-threads", "0").startswith("--producer-threads:")

@@ -14,16 +14,60 @@ def test_patch_targets_exist_with_expected_signatures():
     cpu_compat.check_cpu_compat_targets()
 
 
-def test_check_names_the_patch_whose_target_changed(monkeypatch):
+@pytest.mark.parametrize("name", sorted(cpu_compat._ACCELERATOR_PATCHES))
+def test_check_names_the_accelerator_patch_whose_target_changed(monkeypatch, name):
     from colossalai.accelerator.cpu_accelerator import CpuAccelerator
 
-    def manual_seed(self, seed, device):  # an "upgraded" signature
+    def upgraded(self, *args, new_argument=None):  # a signature no patch was written for
         pass
 
-    monkeypatch.setitem(cpu_compat._ORIGINALS, "CpuAccelerator.manual_seed", manual_seed)
-    monkeypatch.setattr(CpuAccelerator, "manual_seed", manual_seed)
-    with pytest.raises(cpu_compat.CpuCompatError, match="CpuAccelerator.manual_seed"):
+    key = f"CpuAccelerator.{name}"
+    monkeypatch.setitem(cpu_compat._ORIGINALS, key, upgraded)  # what the check reads once patches are applied
+    monkeypatch.setattr(CpuAccelerator, name, upgraded)
+    with pytest.raises(cpu_compat.CpuCompatError, match=key):
         cpu_compat.check_cpu_compat_targets()
+
+
+def test_check_names_the_zero_patch_whose_target_changed(monkeypatch):
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    key = "LowLevelZeroOptimizer._sanity_checks"
+    monkeypatch.delitem(cpu_compat._ORIGINALS, key, raising=False)
+    monkeypatch.delattr(LowLevelZeroOptimizer, "_sanity_checks")
+    with pytest.raises(cpu_compat.CpuCompatError, match=key):
+        cpu_compat.check_cpu_compat_targets()
+
+
+def test_check_names_the_pipeline_patch_whose_target_vanished(monkeypatch):
+    from colossalai.pipeline import p2p
+
+    monkeypatch.delattr(p2p, "_check_for_nccl_hccl_backend")
+    with pytest.raises(cpu_compat.CpuCompatError, match="Backend.HCCL"):
+        cpu_compat.check_cpu_compat_targets()
+
+
+def test_check_names_the_gloo_collective_patch_whose_target_changed(monkeypatch):
+    from colossalai.shardformer.layer import _operation
+
+    key = "shardformer._operation.dist"
+    monkeypatch.delitem(cpu_compat._ORIGINALS, key, raising=False)
+    monkeypatch.setattr(_operation, "dist", object())  # ColossalAI stopped using torch.distributed there
+    with pytest.raises(cpu_compat.CpuCompatError, match=key):
+        cpu_compat.check_cpu_compat_targets()
+
+
+def test_apply_refuses_when_a_target_changed(monkeypatch):
+    # Launching on CPU goes through apply: a stale patch set stops the run before anything is patched.
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+
+    def upgraded(self, seed, device):
+        pass
+
+    monkeypatch.setattr(cpu_compat, "cpu_compat_needed", lambda: True)
+    monkeypatch.setitem(cpu_compat._ORIGINALS, "CpuAccelerator.manual_seed", upgraded)
+    monkeypatch.setattr(CpuAccelerator, "manual_seed", upgraded)
+    with pytest.raises(cpu_compat.CpuCompatError, match="CpuAccelerator.manual_seed"):
+        cpu_compat.apply_cpu_compat_patches()
 
 
 def test_guard_is_off_when_cuda_is_available(monkeypatch):

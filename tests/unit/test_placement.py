@@ -13,6 +13,8 @@ from colossal_rl.placement import (
     actor_options,
     alive_nodes,
     plan_placement,
+    ray_address,
+    threads_per_actor,
 )
 
 
@@ -157,3 +159,48 @@ def test_ray_puts_each_actor_where_the_placement_says(two_node_cluster):
     assert options.trainer_master_address == LOCAL_ADDRESS
     for probe in probes:
         ray.kill(probe)
+
+
+@pytest.mark.parametrize(
+    ("master_address", "address"),
+    [
+        ("10.0.0.1", "10.0.0.1:6379"),
+        ("head-node", "head-node:6379"),
+        ("10.0.0.1:6380", "10.0.0.1:6380"),
+        (" 10.0.0.1 ", "10.0.0.1:6379"),
+        ("auto", "auto"),
+        ("ray://10.0.0.1:10001", "ray://10.0.0.1:10001"),
+        ("fe80::1", "[fe80::1]:6379"),
+        ("[fe80::1]", "[fe80::1]:6379"),
+        ("[fe80::1]:6380", "[fe80::1]:6380"),
+    ],
+)
+def test_master_address_becomes_a_ray_address(master_address, address):
+    assert ray_address(master_address) == address
+
+
+@pytest.mark.parametrize("master_address", ["", "host:", ":6379", "host:port"])
+def test_bad_master_address_is_refused(master_address):
+    with pytest.raises(ValueError, match="master_address"):
+        ray_address(master_address)
+
+
+def test_init_ray_joins_the_given_address(monkeypatch):
+    import ray
+
+    from colossal_rl import launch
+    from colossal_rl.config import RLConfig, RunConfig
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    launch.init_ray(RLConfig(run=RunConfig(master_address="10.0.0.7")))
+    assert calls[0]["address"] == "10.0.0.7:6379"
+
+
+def test_threads_split_the_cores_evenly_unless_given():
+    assert threads_per_actor(2, 1, 1) == (1, 1)
+    assert threads_per_actor(16, 2, 2) == (4, 4)
+    assert threads_per_actor(2, 2, 2) == (1, 1)  # never 0, even with more actors than cores
+    assert threads_per_actor(2, 1, 1, trainer_threads=2) == (1, 2)
+    assert threads_per_actor(8, 1, 1, producer_threads=1, trainer_threads=6) == (1, 6)

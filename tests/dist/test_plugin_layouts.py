@@ -1,0 +1,390 @@
+"""Every consumer layout trains like one process and hands the producers the same weights.
+
+Two spawned consumer processes (gloo) train, one process group for all layouts, each layout three
+optimizer steps on the same fixed rollout batches: DDP, ZeRO-1, ZeRO-2 (LowLevelZeroPlugin, fp32), TP=2,
+PP=2 (HybridParallelPlugin, fp32) and ZeRO-1 over DP=2 under HybridParallelPlugin (tp = pp = 1, bf16:
+the hybrid plugin runs ZeRO only in low precision). A third process trains the single-process
+references (DDP plugin with world size 1 in fp32; LowLevelZero with world size 1 in bf16) and is
+the producer end of the weight sync: after each layout, consumer rank 0 sends
+``Trainer.full_state_dict()`` through ``colossal_rl.comm.weight_sync`` and this process receives it.
+
+Checked per layout: per-step losses and gradient norms against the reference, the received state dict
+bit-identical to the one sent (transport), and the received weights against the reference's weights
+after the same steps. The loss includes a KL term to the frozen reference model (``kl_coeff``), so
+steps 2 and 3 depend on the trained weights (the clipped-ratio term alone is constant with one update
+per batch).
+
+Tolerances, per precision of the reference (observed worst cases in brackets; see ``TOLERANCES``):
+- fp32, DDP: bit-identical — each rank's half-batch gradient is one of the reference's two micro-batch
+  gradients, summed in the same order, and the scaling by 2 is exact [identical].
+- fp32, ZeRO-1/2, TP=2, PP=2: only the summation order differs (reduce-scatter, sharded matmuls, smaller
+  pipeline micro-batches). Grad norms: rtol 2e-5 [2.6e-6]; losses: atol 5e-5, i.e. relative to the
+  loss terms' size (~0.5), since the step loss is a difference of a KL and a policy term [1.1e-5 on a
+  step loss of 0.06]. Weights: Adam turns rounding-level differences of near-zero gradients into
+  differences of up to a whole step (lr), so no element-wise ulp bound holds [3,142 of 815k elements
+  beyond 1e-7 under ZeRO, 140k under PP, the largest 6e-4]. Instead: the difference, in L2 norm, is at
+  most 2e-3 of the reference's own update ||final - initial|| [7e-5 ZeRO, 4e-5 TP, 5e-4 PP], and no
+  element is off by more than two Adam trajectories can drift apart, 2 * lr per step.
+- bf16 (hybrid ZeRO-1 over DP=2, against LowLevelZero bf16 with one rank): gradients are reduced in bf16
+  over two ranks, so losses and grad norms rtol 2e-2, weights within one bf16 ulp of the tensor's
+  largest magnitude (2**-7 relative) [all identical].
+
+Every process is joined with a deadline: on expiry or on the first failure all are killed and the test
+fails, printing the failing process's traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from colossal_rl.batch import RolloutBatch
+from colossal_rl.comm.process_group import find_free_port
+from colossal_rl.config import AlgorithmConfig, ParallelConfig, RLConfig, TrainConfig
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+HOST = "127.0.0.1"
+WORLD_SIZE = 2
+NUM_STEPS = 3
+GROUP_SIZE = 4
+NUM_GROUPS = 2  # 8 samples a step: one group per data-parallel rank; 4 pipeline micro-batches of 2
+DEADLINE_S = 240.0  # the whole test: imports (~10 s a process), 6 layouts x 3 steps, on a busy 2-core machine
+SYNC_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    parallel: ParallelConfig
+    hybrid_plugin: bool = False
+    """Build a HybridParallelPlugin even where ``make_plugin`` would pick LowLevelZeroPlugin."""
+    exact: bool = False
+    """Same arithmetic as the reference, in the same order: must match bit for bit."""
+
+    @property
+    def reference(self) -> str:
+        return self.parallel.precision
+
+    @property
+    def tolerance(self) -> Tolerance:
+        return EXACT if self.exact else TOLERANCES[self.parallel.precision]
+
+
+LAYOUTS = (
+    Layout("ddp", ParallelConfig(num_trainers=2), exact=True),
+    Layout("zero1", ParallelConfig(num_trainers=2, zero_stage=1)),
+    Layout("zero2", ParallelConfig(num_trainers=2, zero_stage=2)),
+    Layout("tp2", ParallelConfig(num_trainers=2, tp_size=2)),
+    Layout("pp2", ParallelConfig(num_trainers=2, pp_size=2)),
+    Layout("hybrid_zero1_dp2", ParallelConfig(num_trainers=2, zero_stage=1, precision="bf16"), hybrid_plugin=True),
+)
+# bf16: LowLevelZero with one rank is plain mixed precision (bf16 model, fp32 master weights), like the hybrid
+# plugin's, but on the unmodified Hugging Face model (no shardformer).
+REFERENCES = {
+    "fp32": ParallelConfig(num_trainers=1),
+    "bf16": ParallelConfig(num_trainers=1, zero_stage=1, precision="bf16"),
+}
+
+LEARNING_RATE = 1e-3
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How close a layout must come to its single-process reference (see the module docstring)."""
+
+    loss_atol: float
+    loss_rtol: float
+    grad_norm_rtol: float
+    weight_atol: float
+    """Element-wise, times max(1, the tensor's largest magnitude)."""
+    update_rtol: float | None = None
+    """||weights - reference|| / ||reference - initial weights|| over all tensors; None: not checked."""
+
+
+ADAM_DRIFT = 2 * LEARNING_RATE * NUM_STEPS  # two Adam runs move an element at most lr each per step
+EXACT = Tolerance(loss_atol=0.0, loss_rtol=0.0, grad_norm_rtol=0.0, weight_atol=0.0, update_rtol=0.0)
+TOLERANCES = {
+    "fp32": Tolerance(loss_atol=5e-5, loss_rtol=0.0, grad_norm_rtol=2e-5, weight_atol=ADAM_DRIFT, update_rtol=2e-3),
+    "bf16": Tolerance(loss_atol=1e-3, loss_rtol=2e-2, grad_norm_rtol=2e-2, weight_atol=2.0**-7),
+}
+
+
+def make_config(parallel: ParallelConfig) -> RLConfig:
+    return RLConfig(
+        algorithm=AlgorithmConfig(kl_coeff=0.1),
+        train=TrainConfig(learning_rate=LEARNING_RATE, microbatch_size=4, max_norm=1.0),
+        parallel=parallel,
+    )
+
+
+def make_batches(vocab_size: int, pad_token_id: int) -> list[RolloutBatch]:
+    """NUM_STEPS fixed batches of NUM_GROUPS groups: left-padded prompts, right-padded responses, varied lengths."""
+    generator = torch.Generator().manual_seed(1234)
+    batches = []
+    for step in range(NUM_STEPS):
+        n = GROUP_SIZE * NUM_GROUPS
+        prompt_len, response_len = 5 + step, 4 + step
+        prompt_ids = torch.full((n, prompt_len), pad_token_id)
+        prompt_mask = torch.zeros((n, prompt_len), dtype=torch.long)
+        response_ids = torch.full((n, response_len), pad_token_id)
+        response_mask = torch.zeros((n, response_len), dtype=torch.long)
+        for i in range(n):
+            p = int(torch.randint(2, prompt_len + 1, (1,), generator=generator))
+            r = int(torch.randint(1, response_len + 1, (1,), generator=generator))
+            prompt_ids[i, prompt_len - p :] = torch.randint(1, vocab_size, (p,), generator=generator)
+            prompt_mask[i, prompt_len - p :] = 1
+            response_ids[i, :r] = torch.randint(1, vocab_size, (r,), generator=generator)
+            response_mask[i, :r] = 1
+        rewards = torch.randint(0, 2, (n,), generator=generator).float()
+        batches.append(
+            RolloutBatch(
+                prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask,
+                response_ids=response_ids,
+                response_mask=response_mask,
+                behaviour_logprobs=-torch.rand((n, response_len), generator=generator) * response_mask,
+                rewards=rewards,
+                answer_correct=rewards,
+                loss_mask=torch.ones(n),
+                truncated=torch.zeros(n, dtype=torch.bool),
+                advantages=torch.randn(n, generator=generator),
+                group_size=GROUP_SIZE,
+                policy_version=step,
+            )
+        )
+    return batches
+
+
+# --------------------------------------------------------------------------- spawned processes
+def _configure_process() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(1)  # three processes on two cores
+    logging.basicConfig(level=logging.WARNING)
+
+
+def _train(trainer, batches: list[RolloutBatch]) -> dict:
+    """NUM_STEPS train steps, this data-parallel rank's groups of each batch; per-step metrics."""
+    losses, grad_norms, entropies = [], [], []
+    for batch in batches:
+        groups = list(range(trainer.dp_rank, batch.num_groups, trainer.dp_size))
+        metrics = trainer.train_step(batch.select_groups(groups))
+        losses.append(metrics["train/loss"])
+        grad_norms.append(metrics["train/grad_norm"])
+        entropies.append(metrics["train/entropy"])
+    return {"losses": losses, "grad_norms": grad_norms, "entropies": entropies}
+
+
+def _entropy_by_hand(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> float:
+    """Mean policy entropy over the batch's response tokens: one plain forward, full softmax."""
+    input_ids, attention_mask = batch.sequences()
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    prompt_len = batch.prompt_ids.shape[1]
+    log_p = torch.log_softmax(logits[:, prompt_len - 1 : -1].double() / temperature, dim=-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    mask = batch.response_mask.double()
+    return float((entropy * mask).sum() / mask.sum())
+
+
+def _clone(state_dict: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if state_dict is None else {name: t.detach().clone() for name, t in state_dict.items()}
+
+
+def _run_and_report(out_dir: Path, name: str, body, *args) -> None:
+    try:
+        body(*args)
+    except BaseException:
+        (out_dir / f"{name}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _consumer(rank: int, port: int, sync_ports: list[int], out_dir: Path) -> None:
+    _configure_process()
+    from colossal_rl.comm.weight_sync import host_as_sender
+    from colossal_rl.training.plugins import launch_colossalai, make_hybrid_plugin
+    from colossal_rl.training.trainer import Trainer
+
+    launch_colossalai(rank, WORLD_SIZE, HOST, port, on_cpu=True)
+    for layout, sync_port in zip(LAYOUTS, sync_ports, strict=True):
+        started = time.perf_counter()
+        config = make_config(layout.parallel)
+        plugin = None
+        if layout.hybrid_plugin:
+            plugin = make_hybrid_plugin(
+                layout.parallel, microbatch_size=config.train.microbatch_size, max_norm=1.0, on_cpu=True
+            )
+        trainer = Trainer(rank, WORLD_SIZE, config, HOST, port)
+        trainer.build(plugin=plugin)
+        result = _train(trainer, make_batches(trainer.vocab_size, trainer.pad_token_id))
+        result["plugin"] = type(trainer.plugin).__name__
+        state = trainer.full_state_dict()  # a collective: every rank calls it
+        result["holds_state_dict"] = state is not None
+        if state is not None:
+            result["sent"] = _clone(state)
+            sender = host_as_sender(
+                host=HOST, port=sync_port, world_size=2, state_dict=state, timeout_s=SYNC_TIMEOUT_S, name=layout.name
+            )
+            sender.send(state, version=NUM_STEPS)
+            sender.close()
+        result["seconds"] = time.perf_counter() - started
+        torch.save(result, out_dir / f"{layout.name}.rank{rank}.pt")
+
+
+def _reference_and_producer(port: int, sync_ports: list[int], out_dir: Path) -> None:
+    """Single-process reference runs, then the receiving end of every layout's weight sync."""
+    _configure_process()
+    from colossal_rl.comm.weight_sync import join_as_receiver
+    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.trainer import Trainer
+
+    launch_colossalai(0, 1, HOST, port, on_cpu=True)
+    for precision, parallel in REFERENCES.items():
+        trainer = Trainer(0, 1, make_config(parallel), HOST, port)
+        trainer.build()
+        initial = _clone(trainer.full_state_dict())
+        batches = make_batches(trainer.vocab_size, trainer.pad_token_id)
+        first_entropy = None
+        if precision == "fp32":  # the untouched model, before any step
+            first_entropy = _entropy_by_hand(trainer.model, batches[0], trainer.config.generation.temperature)
+        result = _train(trainer, batches)
+        result.update(initial=initial, final=_clone(trainer.full_state_dict()), plugin=type(trainer.plugin).__name__)
+        result["first_entropy_by_hand"] = first_entropy
+        torch.save(result, out_dir / f"reference.{precision}.pt")
+    for layout, sync_port in zip(LAYOUTS, sync_ports, strict=True):
+        receiver = join_as_receiver(
+            host=HOST, port=sync_port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, name=layout.name
+        )
+        version, tensors = receiver.receive()
+        torch.save({"version": version, "state_dict": _clone(tensors)}, out_dir / f"{layout.name}.received.pt")
+        receiver.close()
+
+
+def _run_processes(out_dir: Path) -> float:
+    """Start the two consumers and the reference/producer process; wait for all, within DEADLINE_S."""
+    ports: set[int] = set()
+    while len(ports) < 2 + len(LAYOUTS):
+        ports.add(find_free_port())
+    consumer_port, reference_port, *sync_ports = sorted(ports)
+    context = mp.get_context("spawn")
+    processes = {
+        f"consumer{rank}": context.Process(
+            target=_run_and_report,
+            args=(out_dir, f"consumer{rank}", _consumer, rank, consumer_port, sync_ports, out_dir),
+        )
+        for rank in range(WORLD_SIZE)
+    }
+    processes["reference"] = context.Process(
+        target=_run_and_report,
+        args=(out_dir, "reference", _reference_and_producer, reference_port, sync_ports, out_dir),
+    )
+    started = time.monotonic()
+    for process in processes.values():
+        process.start()
+    try:
+        while any(p.is_alive() for p in processes.values()):
+            failed = [name for name, p in processes.items() if p.exitcode not in (None, 0)]
+            if failed:
+                errors = {name: _error_text(out_dir, name) for name in failed}
+                pytest.fail(f"processes {failed} failed:\n" + "\n".join(f"{n}: {e}" for n, e in errors.items()))
+            if time.monotonic() - started > DEADLINE_S:
+                alive = [name for name, p in processes.items() if p.is_alive()]
+                pytest.fail(f"processes {alive} still running after {DEADLINE_S:.0f}s (hung collective?)")
+            time.sleep(0.2)
+        failed = [name for name, p in processes.items() if p.exitcode != 0]
+        if failed:
+            pytest.fail(f"processes {failed} failed:\n" + "\n".join(_error_text(out_dir, n) for n in failed))
+    finally:
+        for process in processes.values():
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+    return time.monotonic() - started
+
+
+def _error_text(out_dir: Path, name: str) -> str:
+    path = out_dir / f"{name}.error"
+    return path.read_text() if path.exists() else "(no traceback: killed or crashed before reporting)"
+
+
+# --------------------------------------------------------------------------- the test
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out_dir = tmp_path_factory.mktemp("plugin_layouts")
+    wall_s = _run_processes(out_dir)
+    loaded = {"wall_s": wall_s}
+    for precision in REFERENCES:
+        loaded[f"reference.{precision}"] = torch.load(out_dir / f"reference.{precision}.pt")
+    for layout in LAYOUTS:
+        for rank in range(WORLD_SIZE):
+            loaded[f"{layout.name}.rank{rank}"] = torch.load(out_dir / f"{layout.name}.rank{rank}.pt")
+        loaded[f"{layout.name}.received"] = torch.load(out_dir / f"{layout.name}.received.pt")
+    return loaded
+
+
+def test_references_train(results):
+    for precision in REFERENCES:
+        reference = results[f"reference.{precision}"]
+        changed = [n for n, t in reference["final"].items() if not torch.equal(t, reference["initial"][n])]
+        assert changed, f"{precision} reference: training changed no weight"
+        assert reference["losses"][0] != reference["losses"][-1], "the KL term should make the loss move"
+        assert reference["entropies"][0] != reference["entropies"][-1], "training should move the entropy"
+    assert results["reference.fp32"]["plugin"] == "TorchDDPPlugin"
+    fp32 = results["reference.fp32"]
+    assert fp32["entropies"][0] == pytest.approx(fp32["first_entropy_by_hand"], rel=1e-5)  # mean over response tokens
+    assert results["reference.bf16"]["plugin"].startswith("LowLevelZeroPlugin")
+
+
+def assert_weights_close(actual: dict[str, torch.Tensor], reference: dict, tolerance: Tolerance) -> None:
+    expected, initial = reference["final"], reference["initial"]
+    assert set(actual) == set(expected), f"keys differ: {set(actual) ^ set(expected)}"
+    squared_difference = squared_update = 0.0
+    for name, tensor in expected.items():
+        assert actual[name].shape == tensor.shape and actual[name].dtype == tensor.dtype, name
+        difference = actual[name].double() - tensor.double()
+        bound = tolerance.weight_atol * max(1.0, float(tensor.double().abs().max()))
+        assert float(difference.abs().max()) <= bound, f"{name}: off by {float(difference.abs().max()):.3g} > {bound}"
+        squared_difference += float(difference.square().sum())
+        squared_update += float((tensor.double() - initial[name].double()).square().sum())
+    if tolerance.update_rtol is not None:
+        relative = (squared_difference / squared_update) ** 0.5
+        assert relative <= tolerance.update_rtol, f"weights off by {relative:.3g} of the update"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+def test_layout_matches_single_process(results, layout):
+    reference, tolerance = results[f"reference.{layout.reference}"], layout.tolerance
+    rank0, rank1 = results[f"{layout.name}.rank0"], results[f"{layout.name}.rank1"]
+    assert rank0["holds_state_dict"] and not rank1["holds_state_dict"], "exactly global rank 0 sends the weights"
+    for rank in (rank0, rank1):
+        torch.testing.assert_close(
+            rank["losses"], reference["losses"], rtol=tolerance.loss_rtol, atol=tolerance.loss_atol
+        )
+        torch.testing.assert_close(rank["grad_norms"], reference["grad_norms"], rtol=tolerance.grad_norm_rtol, atol=0)
+        torch.testing.assert_close(  # a per-token mean like the loss terms: the loss tolerances apply
+            rank["entropies"], reference["entropies"], rtol=tolerance.loss_rtol, atol=tolerance.loss_atol
+        )
+
+    received = results[f"{layout.name}.received"]
+    assert received["version"] == NUM_STEPS
+    sent, got = rank0["sent"], received["state_dict"]
+    assert list(got) == list(sent)
+    for name, tensor in sent.items():  # the transport is exact
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert_weights_close(got, reference, tolerance)
+
+
+def test_layouts_take_bounded_time(results):
+    per_layout = {layout.name: round(results[f"{layout.name}.rank0"]["seconds"], 2) for layout in LAYOUTS}
+    print(f"wall {results['wall_s']:.1f}s; per layout (boost, 3 steps, gather, sync): {per_layout}")  # noqa: T201
+    assert results["wall_s"] < DEADLINE_S
+    assert all(seconds < 60 for seconds in per_layout.values()), per_layout
