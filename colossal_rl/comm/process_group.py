@@ -18,12 +18,15 @@ Backends. ``Collective`` is the small interface the weight sync is written again
 (``_make_process_group``) and in how a barrier is spelled. gloo carries CPU tensors; NCCL carries
 CUDA tensors and is chosen whenever the weights live on a GPU (``backend_for_device``). For NCCL we
 use torch's own ``ProcessGroupNCCL`` over the same standalone ``TCPStore`` rather than Ray's cupy
-NCCL collectives: it is the same code path as gloo (same rendezvous, same asynchronous ``Work``
-handles with a timeout, which the bucketed sender pipelines on), it needs no cupy and no named Ray
-actor for rendezvous, and it is as independent of the default process group as Ray's NCCL groups
-(it is never registered with ``init_process_group``), so it lives next to ColossalAI's group in a
-trainer and next to vLLM's own tensor-parallel group in a producer. The NCCL branch is written for
-GPU machines and has not run on the CPU-only CI.
+NCCL collectives (its torch-native equivalent), because it shares everything but those two lines
+with gloo: the same rendezvous (rank 0's store, ``host:port`` handed out through a Ray call), and
+the same per-operation timeout (every broadcast is an asynchronous ``Work`` whose ``wait(timeout)``
+raises instead of hanging, which the bucketed sender also pipelines on; NCCL's watchdog gets the same
+timeout). It needs no named Ray actor for rendezvous (``cupy-cuda12x`` stays in the ``gpu`` extra as
+the chosen stack pins it, but this path does not import it), and it is as independent of the
+default process group as Ray's NCCL groups (it is never registered with ``init_process_group``), so
+it lives next to ColossalAI's group in a trainer and next to vLLM's own tensor-parallel group in a
+producer. The NCCL branch is written for GPU machines and has not run on the CPU-only CI.
 
 This module holds no model or weight logic (that is ``weight_sync.py``) and imports no Ray.
 """

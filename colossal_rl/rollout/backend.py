@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from colossal_rl.config import GenerationConfig, VllmEngineConfig
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
@@ -25,6 +27,30 @@ class SamplingSettings:
     greedy: bool = False
     """Greedy decoding (evaluation); log-probabilities are then taken at temperature 1."""
     stop_strings: tuple[str, ...] = ()
+
+
+def train_sampling(generation: GenerationConfig) -> SamplingSettings:
+    """How rollouts are sampled: the configured temperature, top-k, top-p, length and stop strings."""
+    return SamplingSettings(
+        temperature=generation.temperature,
+        top_k=generation.top_k,
+        top_p=generation.top_p,
+        max_new_tokens=generation.max_new_tokens,
+        stop_strings=generation.stop_strings,
+    )
+
+
+def eval_sampling(generation: GenerationConfig) -> SamplingSettings:
+    """How evaluation samples: greedy when ``eval_temperature`` is 0, else at that temperature with top-k/top-p."""
+    greedy = generation.eval_temperature == 0
+    return SamplingSettings(
+        temperature=1.0 if greedy else generation.eval_temperature,
+        top_k=None if greedy else generation.top_k,
+        top_p=1.0 if greedy else generation.top_p,
+        max_new_tokens=generation.max_new_tokens,
+        greedy=greedy,
+        stop_strings=generation.stop_strings,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,12 +103,27 @@ def require_backend(name: str) -> None:
         raise ValueError(f"unknown inference backend {name!r}; choose transformers or vllm")
 
 
-def create_backend(name: str, model_path: str, *, tensor_parallel_size: int = 1, seed: int = 0) -> InferenceBackend:
+def create_backend(
+    name: str,
+    model_path: str,
+    *,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    vllm_engine: VllmEngineConfig | None = None,
+    max_sequence_tokens: int | None = None,
+) -> InferenceBackend:
+    """The backend ``name``; ``vllm_engine`` and ``max_sequence_tokens`` (prompt + response) concern vLLM only."""
     require_backend(name)
     if name == "vllm":
         from colossal_rl.rollout.vllm_backend import VllmBackend
 
-        return VllmBackend(model_path, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        return VllmBackend(
+            model_path,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            engine=vllm_engine or VllmEngineConfig(),
+            max_sequence_tokens=max_sequence_tokens,
+        )
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm backend")
     from colossal_rl.rollout.transformers_backend import TransformersBackend

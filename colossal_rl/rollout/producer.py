@@ -18,7 +18,13 @@ from colossal_rl.config import RLConfig
 from colossal_rl.data import EpisodeSchedule, PromptDataset, load_prompt_dataset
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.prompts import system_prompt_for
-from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings, create_backend
+from colossal_rl.rollout.backend import (
+    GenerationOutput,
+    SamplingSettings,
+    create_backend,
+    eval_sampling,
+    train_sampling,
+)
 from colossal_rl.rollout.postprocess import postprocess_rollout
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,8 @@ class Producer:
             config.model.path,
             tensor_parallel_size=config.generation.tensor_parallel_size,
             seed=config.run.seed,
+            vllm_engine=config.generation.vllm,
+            max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
         )
         self.tokenizer = self.backend.tokenizer
         self.reward_scorer = reward_scorer
@@ -91,26 +99,10 @@ class Producer:
         return concat_generation_outputs(parts, self.backend.pad_token_id)
 
     def _train_sampling(self) -> SamplingSettings:
-        gen = self.config.generation
-        return SamplingSettings(
-            temperature=gen.temperature,
-            top_k=gen.top_k,
-            top_p=gen.top_p,
-            max_new_tokens=gen.max_new_tokens,
-            stop_strings=gen.stop_strings,
-        )
+        return train_sampling(self.config.generation)
 
     def _eval_sampling(self) -> SamplingSettings:
-        gen = self.config.generation
-        greedy = gen.eval_temperature == 0
-        return SamplingSettings(
-            temperature=1.0 if greedy else gen.eval_temperature,
-            top_k=None if greedy else gen.top_k,
-            top_p=1.0 if greedy else gen.top_p,
-            max_new_tokens=gen.max_new_tokens,
-            greedy=greedy,
-            stop_strings=gen.stop_strings,
-        )
+        return eval_sampling(self.config.generation)
 
     def produce(self, round_index: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Generate, score and post-process this producer's prompts of ``round_index``."""

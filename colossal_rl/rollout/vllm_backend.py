@@ -8,7 +8,7 @@ rows ordered group-major. One difference is inherent to vLLM: with top-k/top-p i
 those of the truncated, renormalised distribution it sampled from.
 
 The module imports vLLM only inside ``VllmBackend.__init__``: importing it needs no GPU. The pure
-parts (sampling parameters, re-batching vLLM's outputs) are module functions tested on CPU;
+parts (engine and sampling parameters, re-batching vLLM's outputs) are module functions tested on CPU;
 weight names and routing are in ``vllm_weights.py``. Written for GPU machines; the engine calls
 here have not run on the CPU-only CI.
 """
@@ -23,16 +23,51 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from colossal_rl.config import VllmEngineConfig
 from colossal_rl.rollout import vllm_weights
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.transformers_backend import left_pad
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.7
-"""Share of the GPU vLLM may take (weights + KV cache); the rest holds the weight-sync receive buffers
-(one copy of the weights) and CUDA overheads."""
 SEED_RANGE = 2**31 - 1
+
+
+def max_model_len(configured: int | None, max_sequence_tokens: int | None, model_context: int | None) -> int | None:
+    """The engine's ``max_model_len``: the configured one, else prompt + response tokens capped by the model's
+    context length (a smaller KV-cache reservation than vLLM's default of the full context); None lets vLLM
+    derive it."""
+    if configured is not None:
+        return configured
+    if max_sequence_tokens is None:
+        return None
+    return min(max_sequence_tokens, model_context) if model_context else max_sequence_tokens
+
+
+def engine_kwargs(
+    model_path: str,
+    engine: VllmEngineConfig,
+    *,
+    tensor_parallel_size: int,
+    seed: int,
+    max_len: int | None,
+    dtype: str = "auto",
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` (vLLM 0.7.3's ``LLM.__init__`` and ``EngineArgs`` fields)."""
+    return dict(
+        model=model_path,
+        tensor_parallel_size=tensor_parallel_size,
+        # "mp": workers are child processes on this actor's GPUs. Inside a Ray actor vLLM would otherwise
+        # pick its Ray executor and ask Ray for GPUs this actor already holds.
+        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+        seed=seed,
+        dtype=dtype,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        enforce_eager=engine.enforce_eager,
+        enable_chunked_prefill=engine.enable_chunked_prefill,
+        max_model_len=max_len,
+        enable_prefix_caching=False,  # a cache filled under old weights would survive a weight update
+    )
 
 
 def sampling_params_kwargs(
@@ -60,16 +95,32 @@ def sampling_params_kwargs(
     )
 
 
-def strip_padding(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """Token lists without padding from padded ``prompt_ids`` [N, P] and ``prompt_mask`` [N, P] (either side)."""
-    return [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask, strict=True)]
-
-
 def request_prompts(prompts: list[list[int]], num_samples: int, greedy: bool) -> list[list[int]]:
     """One vLLM request per prompt (``n`` samples each), or ``num_samples`` identical ones when greedy."""
     if any(not prompt for prompt in prompts):
         raise ValueError("vLLM cannot generate from an empty prompt")
     return [prompt for prompt in prompts for _ in range(num_samples if greedy else 1)]
+
+
+def vllm_requests(
+    prompts: list[list[int]],
+    num_samples: int,
+    sampling: SamplingSettings,
+    *,
+    stop_token_ids: Sequence[int],
+    seeds: Sequence[int],
+) -> tuple[list[dict[str, list[int]]], list[dict[str, Any]]]:
+    """The ``TokensPrompt`` dicts and ``SamplingParams`` keyword arguments of one ``LLM.generate`` call.
+
+    Prompts are the producer's token lists, never padded: vLLM batches unpadded sequences, so each request
+    carries exactly its prompt's tokens (no pad token, which may equal EOS, ever reaches the engine).
+    """
+    requests = request_prompts(prompts, num_samples, sampling.greedy)
+    if len(seeds) != len(requests):
+        raise ValueError(f"{len(seeds)} seeds for {len(requests)} requests")
+    inputs = [{"prompt_token_ids": list(prompt)} for prompt in requests]
+    params = [sampling_params_kwargs(sampling, num_samples, stop_token_ids=stop_token_ids, seed=s) for s in seeds]
+    return inputs, params
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Any]] | None) -> list[float]:
@@ -148,12 +199,14 @@ class VllmBackend:
         *,
         tensor_parallel_size: int = 1,
         seed: int = 0,
-        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-        max_model_len: int | None = None,
-        dtype: str = "auto",
+        engine: VllmEngineConfig | None = None,
+        max_sequence_tokens: int | None = None,
     ):
         if os.environ.setdefault("VLLM_USE_V1", "0") != "0":
             raise RuntimeError("the vLLM backend drives vLLM 0.7's V0 engine; unset VLLM_USE_V1")
+        # Forking a Ray worker (which runs threads) is unsafe; spawned workers import colossal_rl to run
+        # ``vllm_weights.load_weights_on_worker``, which collective_rpc sends them by reference.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         import vllm
 
         self.version = vllm.__version__
@@ -169,32 +222,22 @@ class VllmBackend:
             tensor_parallel_size=tensor_parallel_size,
         )
         self._sampling_params_cls = vllm.SamplingParams
-        # "mp": workers are child processes on this actor's GPUs. Inside a Ray placement group vLLM would
-        # otherwise pick its Ray executor and ask Ray for GPUs this actor already holds.
-        self.llm = vllm.LLM(
-            model=model_path,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
-            seed=seed,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            enable_prefix_caching=False,  # a cache filled under old weights would survive a weight update
+        engine = engine or VllmEngineConfig()
+        max_len = max_model_len(
+            engine.max_model_len, max_sequence_tokens, getattr(self.hf_config, "max_position_embeddings", None)
         )
-        logger.info("vLLM %s engine for %s (tp=%d, weights via %s)", self.version, model_path, tensor_parallel_size,
-                    self.route)  # fmt: skip
+        self.llm = vllm.LLM(
+            **engine_kwargs(model_path, engine, tensor_parallel_size=tensor_parallel_size, seed=seed, max_len=max_len)
+        )
+        logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s, weights via %s)", self.version, model_path,
+                    tensor_parallel_size, max_len, self.route)  # fmt: skip
 
     def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
-        requests = request_prompts(prompts, num_samples, sampling.greedy)
+        num_requests = len(prompts) * (num_samples if sampling.greedy else 1)
         # Per-request seeds drawn from torch's RNG, which the producer seeds per round: runs are reproducible.
-        seeds = torch.randint(0, SEED_RANGE, (len(requests),)).tolist()
-        params = [
-            self._sampling_params_cls(
-                **sampling_params_kwargs(sampling, num_samples, stop_token_ids=self.eos_token_ids, seed=seed)
-            )
-            for seed in seeds
-        ]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
+        seeds = torch.randint(0, SEED_RANGE, (num_requests,)).tolist()
+        inputs, params = vllm_requests(prompts, num_samples, sampling, stop_token_ids=self.eos_token_ids, seeds=seeds)
+        outputs = self.llm.generate(inputs, [self._sampling_params_cls(**p) for p in params], use_tqdm=False)
         return to_generation_output(outputs, num_samples=num_samples, pad_token_id=self.pad_token_id,
                                     decode=self._decode)  # fmt: skip
 

@@ -10,10 +10,21 @@ and not send ``lm_head.weight`` of a model whose output layer is tied to its emb
 one tensor for both).
 
 Routing. A producer with ``-ptp > 1`` runs one vLLM worker per GPU; each holds a shard and must
-load the new weights itself. vLLM 0.7.x has ``LLM.collective_rpc``, which runs a function in every
-worker (``load_weights_on_worker``, pickled by reference: this module must stay importable inside a
-vLLM worker process). Without it only the driver worker is reachable, which is correct for one GPU
-and silently wrong for several, so that route refuses tensor parallelism.
+load the new weights itself. The route is chosen from the installed engine (``weight_load_route``):
+
+- vLLM 0.7.x and later have ``LLM.collective_rpc`` (read in 0.7.3's source: ``vllm/entrypoints/llm.py``
+  and ``vllm/executor/mp_distributed_executor.py``). It runs a function in every worker — the driver
+  worker in this process, the others in the executor's child processes — passing it the worker's
+  ``WorkerWrapperBase`` (which forwards ``model_runner`` to the worker) and our arguments. The function
+  (``load_weights_on_worker``) is cloudpickled by reference, so this module must stay importable inside a
+  vLLM worker process; the arguments travel through the executor's multiprocessing queues, where torch
+  shares CUDA tensors as CUDA IPC handles (no copy through the host).
+- Engines without it (before 0.7) reach only the driver worker through V0 internals
+  (``llm_engine.model_executor.driver_worker``): correct for one GPU and silently wrong for several, so
+  that route refuses tensor parallelism.
+
+Newer releases (0.8+) also offer ``worker_extension_cls``, where each worker joins the trainers' NCCL group
+and receives broadcasts itself; we do not use it, since the backend drives 0.7's V0 engine.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.
 TIED_OUTPUT_WEIGHT = "lm_head.weight"
 
 LoadRoute = Literal["collective_rpc", "driver_worker"]
+TESTED_VLLM_VERSION = "0.7.3"
 
 
 # --- names ------------------------------------------------------------------------------------------------------
@@ -144,12 +156,25 @@ def parse_version(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
+def untested_version_warning(version: str) -> str | None:
+    """A warning for a vLLM release other than 0.7.x, whose engine internals this backend was not checked against."""
+    if parse_version(version)[:2] == parse_version(TESTED_VLLM_VERSION)[:2]:
+        return None
+    return (
+        f"vLLM {version} is installed; the vLLM backend was written against {TESTED_VLLM_VERSION} "
+        "(its V0 engine): pip install -e '.[gpu]' installs that release"
+    )
+
+
 def weight_load_route(version: str, *, has_collective_rpc: bool, tensor_parallel_size: int) -> LoadRoute:
-    """How new weights reach every worker of this vLLM (``has_collective_rpc``: ``LLM`` has the method).
+    """How new weights reach every worker of vLLM ``version`` (``has_collective_rpc``: ``LLM`` has the method).
 
     vLLM >= 0.7 has ``LLM.collective_rpc`` (checked in 0.7.3's source) and we use it for every
     tensor-parallel size. Older engines reach only the driver worker: fine with one GPU, refused with more.
+    The method is probed rather than inferred from ``version``: pre-releases and patched builds differ.
     """
+    if (warning := untested_version_warning(version)) is not None:
+        logger.warning("%s", warning)
     if has_collective_rpc:
         return "collective_rpc"
     if tensor_parallel_size > 1:

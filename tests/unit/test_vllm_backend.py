@@ -14,16 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from colossal_rl.config import EMBEDDED_MODEL_DIR
+from colossal_rl.config import EMBEDDED_MODEL_DIR, GenerationConfig, VllmEngineConfig
 from colossal_rl.rollout import backend as backend_module
-from colossal_rl.rollout.backend import BackendUnavailableError, SamplingSettings, create_backend
+from colossal_rl.rollout.backend import (
+    BackendUnavailableError,
+    SamplingSettings,
+    create_backend,
+    eval_sampling,
+    train_sampling,
+)
 from colossal_rl.rollout.vllm_backend import (
+    engine_kwargs,
+    max_model_len,
     pad_and_eos_token_ids,
     request_prompts,
     sampled_logprobs,
     sampling_params_kwargs,
-    strip_padding,
     to_generation_output,
+    vllm_requests,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +43,13 @@ from rl_example import UsageError, build_parser, config_from_args  # noqa: E402
 VLLM_073_SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "max_tokens", "logprobs",
     "skip_special_tokens", "include_stop_str_in_output",
+}  # fmt: skip
+
+# Parameters of vllm.LLM.__init__ in vLLM 0.7.3 (vllm/entrypoints/llm.py) plus the EngineArgs fields
+# (vllm/engine/arg_utils.py) it accepts through **kwargs, that we set.
+VLLM_073_LLM_ARGUMENTS = {
+    "model", "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "enforce_eager",
+    "distributed_executor_backend", "enable_chunked_prefill", "max_model_len", "enable_prefix_caching",
 }  # fmt: skip
 
 
@@ -117,6 +132,67 @@ def test_greedy_sampling_is_temperature_zero_one_sample_no_seed():
     assert kwargs["logprobs"] == 0
 
 
+def test_generation_config_to_vllm_sampling_for_training_and_evaluation():
+    gen = GenerationConfig(
+        num_generations=6, temperature=0.8, top_k=40, top_p=0.95, max_new_tokens=32, stop_strings=("</answer>",)
+    )
+    train = sampling_params_kwargs(train_sampling(gen), gen.num_generations, stop_token_ids=[0], seed=5)
+    assert (train["n"], train["temperature"], train["top_k"], train["top_p"]) == (6, 0.8, 40, 0.95)
+    assert (train["max_tokens"], train["stop"], train["include_stop_str_in_output"]) == (32, ["</answer>"], True)
+    assert train["logprobs"] == 0  # the sampled token's log-prob only
+
+    greedy_eval = sampling_params_kwargs(eval_sampling(gen), 1, stop_token_ids=[0], seed=5)
+    assert (greedy_eval["n"], greedy_eval["temperature"], greedy_eval["top_k"], greedy_eval["top_p"]) == (
+        1,
+        0.0,
+        -1,
+        1.0,
+    )
+    assert (greedy_eval["max_tokens"], greedy_eval["stop"]) == (32, ["</answer>"])
+
+    sampled_gen = GenerationConfig(temperature=0.8, top_k=40, top_p=0.95, eval_temperature=0.6)
+    sampled_eval = sampling_params_kwargs(eval_sampling(sampled_gen), 1, stop_token_ids=[0], seed=5)
+    assert (sampled_eval["n"], sampled_eval["temperature"], sampled_eval["top_k"], sampled_eval["top_p"]) == (
+        1,
+        0.6,
+        40,
+        0.95,
+    )
+
+
+# --- engine arguments ------------------------------------------------------------------------------------------
+
+
+def test_engine_arguments_come_from_the_config_and_are_vllm_073_arguments():
+    engine = VllmEngineConfig(gpu_memory_utilization=0.5, enforce_eager=False, enable_chunked_prefill=False)
+    kwargs = engine_kwargs("/models/qwen", engine, tensor_parallel_size=2, seed=3, max_len=4096)
+    assert set(kwargs) <= VLLM_073_LLM_ARGUMENTS
+    assert kwargs["model"] == "/models/qwen"
+    assert (kwargs["gpu_memory_utilization"], kwargs["enforce_eager"], kwargs["enable_chunked_prefill"]) == (
+        0.5,
+        False,
+        False,
+    )
+    assert (kwargs["tensor_parallel_size"], kwargs["seed"], kwargs["max_model_len"]) == (2, 3, 4096)
+    assert kwargs["distributed_executor_backend"] == "mp"  # not Ray's executor inside a Ray actor
+    assert kwargs["enable_prefix_caching"] is False  # caches must not outlive a weight update
+    one_gpu = engine_kwargs("m", VllmEngineConfig(), tensor_parallel_size=1, seed=0, max_len=None)
+    assert one_gpu["distributed_executor_backend"] is None
+    assert (one_gpu["gpu_memory_utilization"], one_gpu["enforce_eager"], one_gpu["enable_chunked_prefill"]) == (
+        0.7,
+        True,
+        True,
+    )
+
+
+def test_max_model_len_is_configured_or_prompt_plus_response_capped_by_the_model():
+    assert max_model_len(8192, 4096, 32768) == 8192
+    assert max_model_len(None, 512 + 3584, 32768) == 4096
+    assert max_model_len(None, 512 + 16, 256) == 256  # the embedded model's context
+    assert max_model_len(None, 528, None) == 528
+    assert max_model_len(None, None, 256) is None
+
+
 def test_greedy_prompts_are_repeated_sampled_ones_are_not():
     prompts = [[1, 2], [3]]
     assert request_prompts(prompts, 3, greedy=False) == prompts
@@ -125,10 +201,19 @@ def test_greedy_prompts_are_repeated_sampled_ones_are_not():
         request_prompts([[1], []], 1, greedy=False)
 
 
-def test_strip_padding_left_and_right():
-    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10], [11, 12, 0, 0]])
-    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
-    assert strip_padding(ids, mask) == [[5, 6], [7, 8, 9, 10], [11, 12]]
+def test_requests_carry_each_prompt_unpadded_with_its_own_seed():
+    prompts = [[0, 5, 6], [7]]  # token 0 is the embedded model's pad *and* EOS: it must pass through untouched
+    sampling = SamplingSettings(temperature=0.7, max_new_tokens=4)
+    inputs, params = vllm_requests(prompts, 3, sampling, stop_token_ids=[0], seeds=[11, 12])
+    assert inputs == [{"prompt_token_ids": [0, 5, 6]}, {"prompt_token_ids": [7]}]
+    assert [(p["n"], p["seed"]) for p in params] == [(3, 11), (3, 12)]
+
+    greedy = SamplingSettings(temperature=1.0, max_new_tokens=4, greedy=True)
+    inputs, params = vllm_requests(prompts, 2, greedy, stop_token_ids=[0], seeds=[1, 2, 3, 4])
+    assert [i["prompt_token_ids"] for i in inputs] == [[0, 5, 6], [0, 5, 6], [7], [7]]
+    assert all(p["n"] == 1 and p["temperature"] == 0.0 for p in params)
+    with pytest.raises(ValueError, match="2 seeds for 4 requests"):
+        vllm_requests(prompts, 2, greedy, stop_token_ids=[0], seeds=[1, 2])
 
 
 def test_pad_and_eos_follow_the_cpu_backend_rules():
@@ -231,15 +316,26 @@ def test_create_backend_picks_vllm_when_installed(monkeypatch):
     created = {}
 
     class FakeVllmBackend:
-        def __init__(self, model_path, *, tensor_parallel_size, seed):
+        def __init__(self, model_path, *, tensor_parallel_size, seed, engine, max_sequence_tokens):
             created.update(model_path=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed)
+            created.update(engine=engine, max_sequence_tokens=max_sequence_tokens)
 
     import colossal_rl.rollout.vllm_backend as vllm_backend
 
     monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
     monkeypatch.setattr(vllm_backend, "VllmBackend", FakeVllmBackend)
-    assert isinstance(create_backend("vllm", "some/model", tensor_parallel_size=2, seed=3), FakeVllmBackend)
-    assert created == {"model_path": "some/model", "tensor_parallel_size": 2, "seed": 3}
+    engine = VllmEngineConfig(gpu_memory_utilization=0.5)
+    backend = create_backend(
+        "vllm", "some/model", tensor_parallel_size=2, seed=3, vllm_engine=engine, max_sequence_tokens=100
+    )
+    assert isinstance(backend, FakeVllmBackend)
+    assert created == {
+        "model_path": "some/model",
+        "tensor_parallel_size": 2,
+        "seed": 3,
+        "engine": engine,
+        "max_sequence_tokens": 100,
+    }
 
 
 def test_create_backend_refuses_unknown_names_and_tensor_parallel_transformers():
@@ -276,3 +372,60 @@ def test_cli_accepts_vllm_and_producer_tensor_parallelism_when_vllm_is_installed
 def test_cli_producer_tensor_parallelism_needs_vllm():
     with pytest.raises(UsageError, match="-ptp/--producer-tensor-parallel-size > 1 needs -b vllm"):
         parse("-ptp", "2")
+
+
+def test_cli_vllm_engine_flags_reach_the_config(monkeypatch):
+    monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
+    default = parse("-b", "vllm").generation.vllm
+    assert default == VllmEngineConfig()
+    config = parse(
+        "-b", "vllm", "--gpu-memory-utilization", "0.55", "--no-enforce-eager", "--no-enable-chunked-prefill",
+        "--max-model-len", "4096", "-mpt", "512", "-mnt", "3584",
+    )  # fmt: skip
+    assert config.generation.vllm == VllmEngineConfig(
+        gpu_memory_utilization=0.55, enforce_eager=False, enable_chunked_prefill=False, max_model_len=4096
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--gpu-memory-utilization", "0"), "--gpu-memory-utilization: must be in (0, 1]"),
+        (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization: must be in (0, 1]"),
+        (("--max-model-len", "0"), "--max-model-len: must be >= 1"),
+        (("--max-model-len", "100", "-mpt", "96", "-mnt", "8"), "--max-model-len: 100 is shorter than"),
+    ],
+)
+def test_cli_vllm_engine_flags_are_validated_by_name(monkeypatch, argv, message):
+    monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
+    with pytest.raises(UsageError) as caught:
+        parse("-b", "vllm", *argv)
+    assert str(caught.value).startswith(message)
+
+
+def test_config_refuses_tensor_parallel_producers_without_vllm():
+    from colossal_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="generation.tensor_parallel_size"):
+        GenerationConfig(tensor_parallel_size=2).validate()
+    GenerationConfig(backend="vllm", tensor_parallel_size=2).validate()
+
+
+def readme_gpu_commands() -> list[list[str]]:
+    """The ``python rl_example.py`` command lines of the README's "Running on GPUs" section."""
+    import shlex
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Running on GPUs", 1)[1].split("\n## ", 1)[0]
+    joined = section.replace("\\\n", " ")
+    return [shlex.split(line)[2:] for line in joined.splitlines() if line.startswith("python rl_example.py")]
+
+
+def test_readme_gpu_command_lines_are_valid_runs(monkeypatch):
+    monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
+    commands = readme_gpu_commands()
+    assert len(commands) == 2
+    single, multi = (parse(*argv) for argv in commands)
+    assert (single.generation.backend, single.algorithm.name, single.parallel.num_trainers) == ("vllm", "DAPO", 4)
+    assert single.data.system_prompt.endswith(r"within \boxed{}.")
+    assert (multi.generation.tensor_parallel_size, multi.run.master_address) == (2, "<head-ip>")

@@ -18,6 +18,7 @@ from colossal_rl.rollout.vllm_weights import (
     parse_version,
     strip_wrapper_prefix,
     to_vllm_weights,
+    untested_version_warning,
     vllm_parameter_name,
     weight_load_route,
 )
@@ -193,3 +194,10 @@ def test_route_without_collective_rpc_only_for_one_gpu():
     assert weight_load_route("0.6.3", has_collective_rpc=False, tensor_parallel_size=1) == "driver_worker"
     with pytest.raises(RuntimeError, match="only 1 of the 2 tensor-parallel workers"):
         weight_load_route("0.6.3", has_collective_rpc=False, tensor_parallel_size=2)
+
+
+def test_releases_other_than_0_7_are_warned_about():
+    assert untested_version_warning("0.7.3") is None
+    assert untested_version_warning("0.7.2+cu121") is None
+    assert "written against 0.7.3" in untested_version_warning("0.8.5")
+    assert "written against 0.7.3" in untested_version_warning("dev")
