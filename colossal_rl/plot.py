@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from colossal_rl.metrics import read_metrics
-from colossal_rl.profiling import PROFILE_FILE, read_spans, render_timeline
+from colossal_rl.profiling import PROFILE_FILE, read_spans, render_timeline, save_figure
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +124,7 @@ def render_series(title: str, series_by_name: dict[str, Series], out_path: Path)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(out_path, dpi=100)
-    plt.close(figure)
-    return out_path
+    return save_figure(figure, out_path)
 
 
 def plot_timeline(run_dir: Path, out_dir: Path) -> Path | None:

@@ -119,6 +119,13 @@ def render_timeline(spans_by_actor: dict[str, list[Span]], out_path: Path) -> Pa
     axes.set_xlabel("seconds since the first recorded phase")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[p]) for p in phases]
     axes.legend(handles, phases, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # outside the bars
+    return save_figure(figure, out_path)
+
+
+def save_figure(figure, out_path: Path) -> Path:
+    """Write a matplotlib figure as a PNG (creating its directory) and free it."""
+    import matplotlib.pyplot as plt
+
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
