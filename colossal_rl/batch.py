@@ -82,6 +82,10 @@ class RolloutBatch:
     def with_advantages(self, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None) -> RolloutBatch:
         return replace(self, advantages=advantages, loss_mask=self.loss_mask if loss_mask is None else loss_mask)
 
+    def trained_token_mask(self) -> torch.Tensor:
+        """[N, R] float: 1 at response tokens of samples the loss keeps (``response_mask * loss_mask``)."""
+        return self.response_mask.float() * self.loss_mask[:, None]
+
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` [N, P+R] and ``attention_mask`` [N, P+R] of prompt + response."""
         input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig
+from colossal_rl.profiling import PhaseRecorder
 
 if TYPE_CHECKING:
     from colossalai.booster.plugin import Plugin
-from colossal_rl.profiling import PhaseRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Trainer:
 
         with torch.no_grad():
             temperature = self.config.generation.temperature
-            return entropy_from_logits(response_logits.detach(), temperature=temperature, chunk_size=256)
+            return entropy_from_logits(response_logits, temperature=temperature, chunk_size=256)
 
     def _policy_terms(self, logits, prompt_len, response_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities, entropy) [B, R] of the policy's response tokens from its logits over the sequence."""
@@ -151,9 +151,8 @@ class Trainer:
         """
         started = time.perf_counter()
         self.model.train()
-        valid_tokens = batch.response_mask.float() * batch.loss_mask[:, None]
         counts = (
-            max(self._global_sum(float(valid_tokens.sum())), 1.0),
+            max(self._global_sum(float(batch.trained_token_mask().sum())), 1.0),
             max(self._global_sum(float(batch.loss_mask.sum())), 1.0),
         )
         with self.phases.record("forward_backward"):
@@ -262,8 +261,8 @@ class Trainer:
         )
         weight = new_logprobs.shape[0] / batch.num_samples
         totals["train/loss"] = totals.get("train/loss", 0.0) + float(loss.detach())
-        loss_tokens = batch.response_mask[part].float() * batch.loss_mask[part][:, None]
-        totals["train/entropy"] = totals.get("train/entropy", 0.0) + float((entropy * loss_tokens).sum()) / counts[0]
+        trained_tokens = batch.trained_token_mask()[part]
+        totals["train/entropy"] = totals.get("train/entropy", 0.0) + float((entropy * trained_tokens).sum()) / counts[0]
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + float(value) * weight
         return loss

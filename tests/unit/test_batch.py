@@ -149,3 +149,9 @@ def test_every_tensor_field_must_have_one_row_per_sample():
     batch = make_batch([[1]] * 4, [[2]] * 4, group_size=2)
     with pytest.raises(ValueError, match="rewards has 3 rows, expected 4"):
         dataclasses.replace(batch, rewards=torch.zeros(3))
+
+
+def test_trained_token_mask_keeps_response_tokens_of_kept_samples_only():
+    batch = make_batch([[1], [2, 3]], [[4, 5, 6], [7]], group_size=1)
+    batch = batch.with_advantages(batch.advantages, loss_mask=torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(batch.trained_token_mask(), torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]))
