@@ -4,7 +4,7 @@ One sender and 1 or 3 receivers, each a separate process, over standalone gloo g
 For each model's full state dict, measured side by side in one run (methods interleaved, median of
 rounds):
 
-  bucketed     colossal_rl.comm.weight_sync: int64 header, then one broadcast per ~64 MiB bucket
+  bucketed     colossal_rl.comm.weight_sync: one broadcast per 16 MiB bucket, the version inside bucket 0
   flat         one broadcast of one preallocated buffer of the same bytes (packing not timed): the ceiling
   flat-chunks  that buffer in bucket-sized pieces, all in flight at once: bucketed's op count without packing
   per-tensor   for every tensor: pickled (name, shape, dtype) as a broadcast object, then the tensor

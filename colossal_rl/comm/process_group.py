@@ -89,7 +89,7 @@ class PendingCollective:
 
 
 class Collective(Protocol):
-    """What the weight sync needs from a group: broadcasts with a timeout, a barrier, and closing it."""
+    """What the weight sync needs from a group: broadcasts and a max all-reduce with a timeout, a barrier, closing."""
 
     backend: Backend
     rank: int
@@ -98,6 +98,8 @@ class Collective(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
 
     def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingCollective: ...
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None: ...
 
     def barrier(self) -> None: ...
 
@@ -146,6 +148,13 @@ class StandaloneGroup:
         options.rootTensor = 0
         work = self.process_group.broadcast([tensor], options)
         return PendingCollective(work, self, f"broadcast of {tensor.numel()} x {tensor.dtype} from {src}")
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor`` in place by its element-wise maximum over all members (with the timeout)."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        work = self.process_group.allreduce([tensor], options)
+        self.wait(work, f"all-reduce (max) of {tensor.numel()} x {tensor.dtype}")
 
     def barrier(self) -> None:
         if self.backend == "gloo":

@@ -5,12 +5,16 @@ Setup, once per run: the sender (rank 0 of a ``StandaloneGroup``) describes its 
 (``exchange_layout``). Both sides then cut the layout into the same buckets: contiguous byte
 buffers of at most ``bucket_bytes`` holding many tensors each; a larger tensor gets a bucket of
 its own, broadcast in ``bucket_bytes`` pieces. Tensors travel as raw bytes, so one bucket mixes
-dtypes and bf16 is never converted.
+dtypes and bf16 is never converted. Constructing a ``WeightSender`` / ``WeightReceiver`` is
+collective: every member checks that all cut identical buckets (``agree_on_plan``), and all of
+them raise a clear error otherwise — a size mismatch inside gloo would abort the process.
 
-Each sync: one int64 header ``[version, plan checksum]``, then one broadcast per bucket (piece).
-The sender packs bucket ``i + 1`` while bucket ``i`` is on the wire (two staging buffers) and sends
-a lone contiguous tensor without copying it; receivers receive straight into buffers allocated
-once, and return ``name -> tensor`` views into them.
+Each sync is one broadcast per bucket (piece) and nothing else: the int64 header
+``[version, plan checksum]`` rides in the first 16 bytes of bucket 0, so receivers post every
+bucket at once instead of waiting for a separate header first. The sender packs bucket ``i + 1``
+while bucket ``i`` is on the wire (two staging buffers) and sends a lone contiguous tensor without
+copying it; receivers receive straight into buffers allocated once, and return ``name -> tensor``
+views into them.
 
 With pipeline parallelism each stage sends its own keys over its own group (distinct ``name``);
 producers merge the parts with ``merge_stage_parts``. Nothing here knows about models or Ray.
@@ -46,6 +50,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 ALIGNMENT_BYTES = 64  # every tensor starts at a multiple of this inside its bucket, so dtype views are legal
 SENDER_RANK = 0
+HEADER_BYTES = 16  # int64 [version, plan checksum] at offset 0 of bucket 0
 
 
 @dataclass(frozen=True)
@@ -109,23 +114,28 @@ class Slot:
 class Bucket:
     slots: tuple[Slot, ...]
     nbytes: int
+    carries_header: bool = False  # the sync header sits at offset 0, before the slots (bucket 0 only)
 
 
 def plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[Bucket]:
-    """Cut the layout, in order, into buckets of at most ``bucket_bytes`` (bigger tensors: one bucket each)."""
-    if bucket_bytes < ALIGNMENT_BYTES:
-        raise ValueError(f"bucket_bytes must be at least {ALIGNMENT_BYTES}, got {bucket_bytes}")
+    """Cut the layout, in order, into buckets of at most ``bucket_bytes`` (bigger tensors: one bucket each).
+
+    Bucket 0 starts with the sync header; if the first tensor does not fit beside it, the header is
+    bucket 0 on its own.
+    """
+    if bucket_bytes < ALIGNMENT_BYTES + HEADER_BYTES:
+        raise ValueError(f"bucket_bytes must be at least {ALIGNMENT_BYTES + HEADER_BYTES}, got {bucket_bytes}")
     buckets: list[Bucket] = []
     slots: list[Slot] = []
-    end = 0
+    end = HEADER_BYTES  # bucket 0 opens with the header
     for spec in layout.tensors:
         offset = _align(end)
-        if slots and offset + spec.nbytes > bucket_bytes:
-            buckets.append(Bucket(tuple(slots), end))
+        if (slots or not buckets) and offset + spec.nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(slots), end, carries_header=not buckets))
             slots, offset = [], 0
         slots.append(Slot(spec, offset))
         end = offset + spec.nbytes
-    buckets.append(Bucket(tuple(slots), end))
+    buckets.append(Bucket(tuple(slots), end, carries_header=not buckets))
     return buckets
 
 
@@ -138,6 +148,28 @@ def plan_checksum(layout: WeightLayout, bucket_bytes: int) -> int:
     """63-bit digest of layout and bucket size: both ends of a sync must cut identical buckets."""
     digest = hashlib.sha256(f"{bucket_bytes}/{ALIGNMENT_BYTES}/{layout.to_json()}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def agree_on_plan(group: Collective, checksum: int, device: torch.device) -> None:
+    """Collective, once per sender/receiver: raise on every member unless all cut identical buckets.
+
+    Broadcasting buckets of different sizes would not raise: gloo aborts the process in its IO thread.
+    """
+    senders = torch.tensor([checksum], dtype=torch.int64, device=device)
+    group.broadcast(senders, SENDER_RANK)
+    theirs = int(senders.item())
+    disagreement = torch.tensor([int(theirs != checksum)], dtype=torch.int64, device=device)
+    group.all_reduce_max(disagreement)
+    if group.rank != SENDER_RANK and theirs != checksum:
+        raise RuntimeError(
+            f"{group!r}: the sender's weight layout or bucket size differs from this receiver's "
+            f"(plan checksum {theirs} != {checksum}); build receivers with the layout from exchange_layout"
+        )
+    if disagreement.item():
+        raise RuntimeError(
+            f"{group!r}: a member's weight layout or bucket size differs (plan checksum mismatch); "
+            "build receivers with the layout from exchange_layout"
+        )
 
 
 def pack_bucket(
@@ -188,9 +220,10 @@ class WeightSender:
         self.buckets = plan_buckets(layout, bucket_bytes)
         self.checksum = plan_checksum(layout, bucket_bytes)
         self.device = _resolve_device(device)
+        agree_on_plan(group, self.checksum, self.device)
         self.pin_memory = _default_pin_memory(self.device) if pin_memory is None else pin_memory
         self._staging: list[torch.Tensor | None] = [None, None]  # packed bucket i+1 while bucket i is sent
-        self._staging_bytes = max((b.nbytes for b in self.buckets if len(b.slots) > 1), default=0)
+        self._staging_bytes = max((b.nbytes for b in self.buckets if len(b.slots) > 1 or b.carries_header), default=0)
         self._staging_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bucket, staging) -> views
         self._chunks = [chunk_ranges(bucket.nbytes, bucket_bytes) for bucket in self.buckets]
         self.last_version: int | None = None
@@ -203,11 +236,9 @@ class WeightSender:
         """Broadcast ``state_dict`` as ``version``; returns once every bucket has left this process."""
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"weight versions must increase: sent {self.last_version}, now asked to send {version}")
-        self.layout.check(state_dict)  # before the header, so a bad call leaves the group usable
-        header = torch.tensor([version, self.checksum], dtype=torch.int64, device=self.device)
-        in_flight: deque[tuple[int | None, PendingCollective]] = deque(
-            [(None, self.group.broadcast_async(header, SENDER_RANK))]
-        )
+        self.layout.check(state_dict)  # before anything is sent, so a bad call leaves the group usable
+        header = torch.tensor([version, self.checksum], dtype=torch.int64)
+        in_flight: deque[tuple[int | None, PendingCollective]] = deque()
         packed = 0
         with torch.no_grad():
             for bucket_index, (bucket, chunks) in enumerate(zip(self.buckets, self._chunks, strict=True)):
@@ -217,6 +248,8 @@ class WeightSender:
                     while any(index == staging_index for index, _ in in_flight):
                         in_flight.popleft()[1].wait()
                     payload = self._pack(bucket_index, state_dict, staging_index)
+                    if bucket.carries_header:
+                        payload[:HEADER_BYTES].view(torch.int64).copy_(header)
                     packed += 1
                 in_flight.extend(
                     (staging_index, self.group.broadcast_async(payload[start:end], SENDER_RANK))
@@ -228,7 +261,7 @@ class WeightSender:
 
     def _direct_payload(self, bucket: Bucket, state_dict: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """A lone contiguous tensor already on the device is sent as it is, without a copy."""
-        if len(bucket.slots) != 1:
+        if len(bucket.slots) != 1 or bucket.carries_header:
             return None
         tensor = state_dict[bucket.slots[0].spec.name]
         if tensor.numel() == 0 or not tensor.is_contiguous() or tensor.device != self.device:
@@ -272,9 +305,11 @@ class WeightReceiver:
         self.buckets = plan_buckets(layout, bucket_bytes)
         self.checksum = plan_checksum(layout, bucket_bytes)
         self.device = _resolve_device(device)
+        agree_on_plan(group, self.checksum, self.device)
         pin = _default_pin_memory(self.device) if pin_memory is None else pin_memory
         # Received into these buffers every sync; the returned tensors are views into them.
         self._buffers = [_empty_bytes(bucket.nbytes, self.device, pin) for bucket in self.buckets]
+        self._header = self._buffers[0][:HEADER_BYTES].view(torch.int64)
         self._bucket_views = [unpack_bucket(b, buf) for b, buf in zip(self.buckets, self._buffers, strict=True)]
         self._chunks = [chunk_ranges(bucket.nbytes, bucket_bytes) for bucket in self.buckets]
         self.last_version: int | None = None
@@ -287,22 +322,23 @@ class WeightReceiver:
         The tensors are views into buffers the next ``receive`` overwrites: load or copy them first.
         ``on_bucket`` is called with each bucket's tensors as soon as that bucket has arrived.
         """
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        self.group.broadcast(header, SENDER_RANK)  # checked before any bucket is posted
-        version, checksum = header.tolist()
+        pending = [self._post(index) for index in range(len(self.buckets))]  # all at once: one round trip
+        _wait_all(pending[0])
+        version, checksum = self._header.tolist()
+        problem = None
         if checksum != self.checksum:
-            raise RuntimeError(
-                f"{self.group!r}: the sender's weight layout or bucket size differs from this receiver's "
-                f"(checksum {checksum} != {self.checksum}); this group is now out of step, rebuild it"
-            )
-        if self.last_version is not None and version <= self.last_version:
-            raise RuntimeError(f"weight version went from {self.last_version} to {version}; versions must increase")
-        pending = [self._post(index) for index in range(len(self.buckets))]
+            problem = f"the sync header's plan checksum is {checksum}, not {self.checksum}"
+        elif self.last_version is not None and version <= self.last_version:
+            problem = f"weight version went from {self.last_version} to {version}; versions must increase"
+        if problem is not None:
+            for chunks_pending in pending[1:]:  # stay in step with the sender before refusing the sync
+                _wait_all(chunks_pending)
+            raise RuntimeError(f"{self.group!r}: {problem}")
         received: dict[str, torch.Tensor] = {}
-        for chunks_pending, views in zip(pending, self._bucket_views, strict=True):
-            for chunk_pending in chunks_pending:
-                chunk_pending.wait()
-            if on_bucket is not None:
+        for index, (chunks_pending, views) in enumerate(zip(pending, self._bucket_views, strict=True)):
+            if index > 0:
+                _wait_all(chunks_pending)
+            if on_bucket is not None and views:
                 on_bucket(views)
             received.update(views)
         self.last_version = version
@@ -378,6 +414,11 @@ def join_as_receiver(
     group = create_standalone_group(backend, rank, world_size, host, port, timeout_s, name=name)
     layout, bucket_bytes = exchange_layout(group, None)
     return WeightReceiver(group, layout, bucket_bytes, device)
+
+
+def _wait_all(pending: list[PendingCollective]) -> None:
+    for collective in pending:
+        collective.wait()
 
 
 def _views(bucket: Bucket, buffer: torch.Tensor) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from colossal_rl.comm.process_group import create_standalone_group, find_free_port
 from colossal_rl.comm.weight_sync import (
     ALIGNMENT_BYTES,
+    HEADER_BYTES,
     WeightLayout,
     WeightReceiver,
     WeightSender,
@@ -59,7 +60,7 @@ def round_trip(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> dict[s
     return unpacked
 
 
-@pytest.mark.parametrize("bucket_bytes", [64, 256, 1024, 1 << 20])
+@pytest.mark.parametrize("bucket_bytes", [ALIGNMENT_BYTES + HEADER_BYTES, 256, 1024, 1 << 20])
 def test_pack_unpack_round_trip_is_bit_identical(bucket_bytes):
     state_dict = mixed_state_dict()
     assert_bit_identical(round_trip(state_dict, bucket_bytes), state_dict)
@@ -76,7 +77,20 @@ def test_buckets_respect_size_and_give_oversized_tensors_their_own():
     for bucket in buckets:
         assert bucket.nbytes <= 512 or len(bucket.slots) == 1
         assert all(slot.offset % ALIGNMENT_BYTES == 0 for slot in bucket.slots)
-    assert len(buckets) == 5  # 8 small tensors fit in 512 bytes at 64-byte alignment: 8 + 8 + 4, big, after
+    assert [bucket.carries_header for bucket in buckets] == [True, False, False, False, False]
+    assert buckets[0].slots[0].offset >= HEADER_BYTES  # the header owns the start of bucket 0
+    # 8 small tensors fit in 512 bytes at 64-byte alignment, 7 beside the header: 7 + 8 + 5, big, after
+    assert [len(bucket.slots) for bucket in buckets] == [7, 8, 5, 1, 1]
+
+
+def test_header_is_a_bucket_of_its_own_when_the_first_tensor_is_too_big_to_share():
+    state_dict = {"embed": torch.zeros(1000, dtype=torch.bfloat16), "bias": torch.zeros(4)}
+    buckets = plan_buckets(WeightLayout.from_state_dict(state_dict), bucket_bytes=512)
+    assert [(b.carries_header, [s.spec.name for s in b.slots], b.nbytes) for b in buckets] == [
+        (True, [], HEADER_BYTES),
+        (False, ["embed"], 2000),
+        (False, ["bias"], 16),
+    ]
 
 
 def test_chunk_ranges_cover_a_bucket_in_bucket_sized_pieces():
@@ -170,22 +184,100 @@ def test_send_receive_two_versions_with_bucket_callback():
     for version, (got_version, tensors, arrived) in zip((1, 2), received, strict=True):
         assert got_version == version
         assert_bit_identical(tensors, mixed_state_dict(seed=version))
-        assert arrived == [[slot.spec.name for slot in bucket.slots] for bucket in buckets]
+        assert arrived == [[slot.spec.name for slot in bucket.slots] for bucket in buckets if bucket.slots]
+    assert buckets[0].carries_header and not buckets[0].slots  # the 1600-byte embedding does not fit beside it
 
 
-def test_receiver_refuses_a_sender_with_another_bucket_size():
+def test_both_ends_refuse_at_construction_when_they_cut_different_buckets():
+    """Checked before any bucket moves: gloo would abort the process on a bucket-size mismatch."""
+    layout = WeightLayout.from_state_dict(mixed_state_dict())
+
+    def send(group):
+        with pytest.raises(RuntimeError, match="a member's weight layout or bucket size differs"):
+            WeightSender(group, layout, bucket_bytes=512)
+
+    def receive(group):
+        with pytest.raises(RuntimeError, match="differs from this receiver's"):
+            WeightReceiver(group, layout, bucket_bytes=1024)
+
+    assert run_pair(send, receive) == (None, None)
+
+
+def test_receiver_refuses_a_version_that_does_not_increase_and_stays_in_step():
     layout = WeightLayout.from_state_dict(mixed_state_dict())
 
     def send(group):
         sender = WeightSender(group, layout, bucket_bytes=512)
-        header_only = torch.tensor([1, sender.checksum], dtype=torch.int64)
-        group.broadcast(header_only, 0)  # the receiver must stop right after the header
+        sender.send(mixed_state_dict(seed=1), 5)
+        sender.last_version = None  # a sender that forgot its history sends an old version
+        sender.send(mixed_state_dict(seed=2), 4)
+        sender.send(mixed_state_dict(seed=3), 6)
 
     def receive(group):
-        with pytest.raises(RuntimeError, match="differs from this receiver's"):
-            WeightReceiver(group, layout, bucket_bytes=1024).receive()
+        receiver = WeightReceiver(group, layout, bucket_bytes=512)
+        assert receiver.receive()[0] == 5
+        with pytest.raises(RuntimeError, match="went from 5 to 4"):
+            receiver.receive()
+        version, tensors = receiver.receive()
+        return version, {name: t.clone() for name, t in tensors.items()}
 
-    assert run_pair(send, receive) == (None, None)
+    sent, (version, tensors) = run_pair(send, receive)
+    assert sent is None and version == 6
+    assert_bit_identical(tensors, mixed_state_dict(seed=3))
+
+
+class CountingGroup:
+    """Around a real group: counts the broadcasts one member posts."""
+
+    def __init__(self, group):
+        self.group = group
+        self.backend, self.rank, self.world_size = group.backend, group.rank, group.world_size
+        self.broadcasts = 0
+
+    def broadcast(self, tensor, src):
+        self.broadcasts += 1
+        self.group.broadcast(tensor, src)
+
+    def broadcast_async(self, tensor, src):
+        self.broadcasts += 1
+        return self.group.broadcast_async(tensor, src)
+
+    def all_reduce_max(self, tensor):
+        self.group.all_reduce_max(tensor)
+
+    def barrier(self):
+        self.group.barrier()
+
+    def close(self):
+        self.group.close()
+
+
+@pytest.mark.parametrize("bucket_bytes", [512, 1 << 20])
+def test_a_sync_is_one_broadcast_per_bucket_piece_and_nothing_else(bucket_bytes):
+    layout = WeightLayout.from_state_dict(mixed_state_dict())
+    pieces = sum(len(chunk_ranges(b.nbytes, bucket_bytes)) for b in plan_buckets(layout, bucket_bytes))
+
+    def member(make):
+        def run(group):
+            counting = CountingGroup(group)
+            end = make(counting)
+            before = counting.broadcasts
+            for version in (1, 2):
+                if isinstance(end, WeightSender):
+                    end.send(mixed_state_dict(seed=version), version)
+                else:
+                    assert end.receive()[0] == version
+            return counting.broadcasts - before
+
+        return run
+
+    sent, received = run_pair(
+        member(lambda group: WeightSender(group, layout, bucket_bytes)),
+        member(lambda group: WeightReceiver(group, layout, bucket_bytes)),
+    )
+    assert (sent, received) == (2 * pieces, 2 * pieces)
+    if bucket_bytes == 1 << 20:
+        assert pieces == 1  # header and every tensor in a single broadcast
 
 
 def test_sender_refuses_a_mismatching_state_dict_before_sending():
