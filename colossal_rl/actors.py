@@ -128,28 +128,35 @@ class ProducerActor:
         self.rank = rank
         self.config = config
         self.producer = Producer(rank, config, scorer)
-        self.receiver = None
+        self.receivers = []
 
     def ready(self) -> dict:
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def join_weight_sync(self, host: str, port: int, world_size: int) -> None:
+    def join_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> None:
+        """Join every pipeline stage's weight-sync group (one without PP), in stage order."""
         from colossal_rl.comm.process_group import default_device
-        from colossal_rl.comm.weight_sync import join_as_receiver
+        from colossal_rl.comm.weight_sync import join_as_receiver, stage_group_name
 
         # On GPUs the weights arrive over NCCL into this actor's GPU; on CPU over gloo.
-        self.receiver = join_as_receiver(
-            host=host,
-            port=port,
-            rank=self.rank + 1,
-            world_size=world_size,
-            timeout_s=self.config.run.timeout_s,
-            device=default_device(),
-        )
+        self.receivers = [
+            join_as_receiver(
+                host=host,
+                port=port,
+                rank=self.rank + 1,
+                world_size=world_size,
+                timeout_s=self.config.run.timeout_s,
+                name=stage_group_name(stage),
+                device=default_device(),
+            )
+            for stage, (host, port) in enumerate(stage_addresses)
+        ]
 
     def receive_weights(self, version: int) -> None:
+        from colossal_rl.comm.weight_sync import receive_stages
+
         with self.producer.phases.record("sync"):
-            received_version, tensors = self.receiver.receive()
+            received_version, tensors = receive_stages(self.receivers)
             if received_version != version:
                 raise RuntimeError(f"producer {self.rank}: expected weights version {version}, got {received_version}")
             self.producer.load_weights(received_version, tensors)
@@ -178,8 +185,8 @@ class ProducerActor:
 
     def shutdown(self) -> None:
         self.producer.reward_scorer.close()
-        if self.receiver is not None:
-            self.receiver.close()
+        for receiver in self.receivers:
+            receiver.close()
 
 
 @ray.remote
@@ -194,24 +201,35 @@ class TrainerActor:
 
     def setup(self) -> dict:
         self.trainer.setup()
-        return {"rank": self.trainer.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        return {
+            "rank": self.trainer.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "sync_stage": self.trainer.sync_stage,
+        }
 
     def weight_sync_address(self) -> tuple[str, int]:
         return node_address(), free_port()
 
-    def setup_weight_sync(self, host: str, port: int, world_size: int) -> None:
-        """Every rank takes part in gathering the weights; the rank that holds them hosts the group."""
+    def setup_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> None:
+        """Every rank takes part in gathering the weights; each pipeline stage's sender hosts that stage's group."""
         from colossal_rl.comm.process_group import default_device
-        from colossal_rl.comm.weight_sync import host_as_sender
+        from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
 
-        state = self.trainer.full_state_dict()
+        state, stage = self.trainer.stage_state_dict(), self.trainer.sync_stage
+        if (state is None) != (stage is None):
+            raise RuntimeError(
+                f"trainer {self.trainer.rank}: sync stage {stage} but holds weights: {state is not None}"
+            )
         if state is not None:
+            host, port = stage_addresses[stage]
             self.sender = host_as_sender(
                 host=host,
                 port=port,
                 world_size=world_size,
                 state_dict=state,
                 timeout_s=self.config.run.timeout_s,
+                name=stage_group_name(stage),
                 device=default_device(),
             )
 
@@ -250,7 +268,7 @@ class TrainerActor:
 
     def push_weights(self, version: int) -> None:
         with self.trainer.phases.record("sync"):
-            state = self.trainer.full_state_dict()
+            state = self.trainer.stage_state_dict()
             if self.sender is not None:
                 self.sender.send(state, version)
         self.trainer.step_version = version

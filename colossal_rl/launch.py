@@ -22,6 +22,7 @@ import ray
 from tqdm import tqdm
 
 from colossal_rl import checkpoint as ckpt
+from colossal_rl.comm.weight_sync import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.metrics import MetricsLogger
 from colossal_rl.profiling import append_spans
@@ -196,14 +197,21 @@ class Driver:
     def start(self, resume_from: Path | None = None) -> None:
         """Start every actor and the weight-sync group; with ``resume_from``, restore a checkpoint first."""
         started = time.perf_counter()
-        _gather(self.named("ready", "producer") + self.named("setup", "trainer"), self.timeout)
+        ready = _gather(self.named("ready", "producer") + self.named("setup", "trainer"), self.timeout)
         if resume_from is not None:
             self._restore(resume_from)
-        host, port = ray.get(self.trainers[0].weight_sync_address.remote(), timeout=self.timeout)
+        senders = stage_senders([info["sync_stage"] for info in ready[len(self.producers) :]])
+        addresses = _gather(
+            [
+                (f"trainer {rank} (weight_sync_address)", self.trainers[rank].weight_sync_address.remote())
+                for rank in senders
+            ],
+            self.timeout,
+        )
         world = 1 + len(self.producers)
         _gather(
-            self.named("setup_weight_sync", "trainer", host, port, world)
-            + self.named("join_weight_sync", "producer", host, port, world),
+            self.named("setup_weight_sync", "trainer", addresses, world)
+            + self.named("join_weight_sync", "producer", addresses, world),
             self.timeout,
         )
         if resume_from is not None:

@@ -22,6 +22,9 @@ from colossal_rl.comm.weight_sync import (
     host_as_sender,
     join_as_receiver,
     merge_stage_parts,
+    receive_stages,
+    stage_group_name,
+    stage_senders,
 )
 
 __all__ = [
@@ -41,4 +44,7 @@ __all__ = [
     "host_as_sender",
     "join_as_receiver",
     "merge_stage_parts",
+    "receive_stages",
+    "stage_group_name",
+    "stage_senders",
 ]

@@ -16,8 +16,9 @@ while bucket ``i`` is on the wire (two staging buffers) and sends a lone contigu
 copying it; receivers receive straight into buffers allocated once, and return ``name -> tensor``
 views into them.
 
-With pipeline parallelism each stage sends its own keys over its own group (distinct ``name``);
-producers merge the parts with ``merge_stage_parts``. Nothing here knows about models or Ray.
+With pipeline parallelism each stage's sender sends its own keys over its own group
+(``stage_group_name``); producers hold one receiver per stage and ``receive_stages`` receives all
+parts at once and merges them. Nothing here knows about models or Ray.
 
 Every line is shared by the CPU and the GPU path: the group is any ``Collective``, and its backend
 follows the device the weights travel on (``backend_for_device``: gloo for ``cpu``, NCCL for ``cuda``).
@@ -29,7 +30,8 @@ import hashlib
 import json
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +202,47 @@ def merge_stage_parts(parts: list[Mapping[str, torch.Tensor]]) -> dict[str, torc
             merged[name] = tensor
             owner[name] = stage
     return merged
+
+
+def stage_group_name(stage: int) -> str:
+    """The weight-sync group of one pipeline stage's sender and all producers (stage 0 without PP)."""
+    return f"weight_sync/stage{stage}"
+
+
+def stage_senders(sync_stages: list[int | None]) -> list[int]:
+    """Which trainer rank sends each pipeline stage's weights (in stage order), from every trainer's stage or None."""
+    senders: dict[int, int] = {}
+    for rank, stage in enumerate(sync_stages):
+        if stage is None:
+            continue
+        if stage in senders:
+            raise RuntimeError(f"trainers {senders[stage]} and {rank} both claim to send pipeline stage {stage}")
+        senders[stage] = rank
+    if sorted(senders) != list(range(len(senders))) or not senders:
+        raise RuntimeError(
+            f"pipeline stages with a weight sender: {sorted(senders)}; expected 0, 1, ... with none missing"
+        )
+    return [senders[stage] for stage in range(len(senders))]
+
+
+def receive_stages(receivers: Sequence[WeightReceiver]) -> tuple[int, dict[str, torch.Tensor]]:
+    """One sync from every pipeline stage's group, received concurrently; the version and the merged dict.
+
+    The stages' senders send at the same time, so the parts are received in parallel threads (a
+    receive waits inside the collective library, without the GIL). Every part must carry the same
+    version. Each receive is bounded by its group's timeout.
+    """
+    if not receivers:
+        raise ValueError("receive_stages needs at least one receiver")
+    if len(receivers) == 1:
+        return receivers[0].receive()
+    with ThreadPoolExecutor(max_workers=len(receivers), thread_name_prefix="weight-sync-stage") as pool:
+        futures = [pool.submit(receiver.receive) for receiver in receivers]
+        parts = [future.result() for future in futures]
+    versions = [version for version, _ in parts]
+    if len(set(versions)) != 1:
+        raise RuntimeError(f"pipeline stages sent different weight versions: {versions} (stage order)")
+    return versions[0], merge_stage_parts([tensors for _, tensors in parts])
 
 
 class WeightSender:

@@ -5,8 +5,9 @@ Contract (every consumer rank must call these functions: they contain collective
 - :func:`gather_full_state_dict` returns every parameter, with Hugging Face names and full shapes,
   on global rank 0 (data-, tensor- and pipeline-parallel rank 0) and None on every other rank.
 - :func:`gather_stage_state_dict` returns the keys of one pipeline stage on that stage's sender
-  (its data- and tensor-parallel rank 0) and None elsewhere, for layouts where each stage sends its
-  own part; without pipeline parallelism it equals :func:`gather_full_state_dict`.
+  (its data- and tensor-parallel rank 0; :func:`sync_stage` says which stage) and None elsewhere.
+  This is what the weight sync sends: each stage's sender over its own group, merged by the
+  producers; without pipeline parallelism it equals :func:`gather_full_state_dict`.
 
 How each layout gets there: DDP and ZeRO ranks all hold full working parameters once ZeRO's pending
 all-gathers are waited on, so data-parallel rank 0 takes the unwrapped model's state dict. Under tensor
@@ -51,6 +52,18 @@ def _coordinates(plugin: Plugin) -> _Coordinates:
         tp_rank=dist.get_rank(plugin.tp_group),
         pp_group=plugin.pp_group if plugin.pp_size > 1 else None,
     )
+
+
+def sync_stage(plugin: Plugin) -> int | None:
+    """The pipeline stage whose weights this rank sends to the producers (0 without PP); None if it sends none.
+
+    One sender per stage: its data-, sequence- and tensor-parallel rank 0, exactly the ranks where
+    :func:`gather_stage_state_dict` returns a dict.
+    """
+    where = _coordinates(plugin)
+    if where.dp_rank != 0 or where.sp_rank != 0 or where.tp_rank != 0:
+        return None
+    return 0 if where.pp_group is None else dist.get_rank(where.pp_group)
 
 
 def wait_for_pending_all_gathers(booster_model: ModelWrapper, optimizer: OptimizerWrapper | None = None) -> None:

@@ -1,7 +1,7 @@
 """A consumer rank: trains the policy under a ColossalAI Booster, one optimizer step per call.
 
 Phase-sized methods: ``setup``, ``train_step`` (forward/backward over micro-batches, then one
-optimizer step), ``full_state_dict`` (for the weight sync). Plain class: no Ray here; the loss
+optimizer step), ``stage_state_dict`` (for the weight sync), ``full_state_dict`` (for the export). Plain class: no Ray here; the loss
 math lives in ``colossal_rl/algorithms`` and is reached through ``training/objective.py``.
 """
 
@@ -276,10 +276,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full unsharded weights on the rank that sends them to the producers (None elsewhere)."""
+        """Every parameter at full shape on global rank 0 (None elsewhere): for the HF export. Collective."""
         from colossal_rl.training.full_state_dict import gather_full_state_dict
 
         return gather_full_state_dict(self.model, self.plugin, self.optimizer)
+
+    @property
+    def sync_stage(self) -> int | None:
+        """The pipeline stage whose weights this rank sends to the producers; None if it sends none."""
+        from colossal_rl.training.full_state_dict import sync_stage
+
+        return sync_stage(self.plugin)
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """This rank's share of the weight sync: its pipeline stage's weights at full shape on the stage's
+        sender (``sync_stage`` is not None), None elsewhere. Collective: every rank calls it."""
+        from colossal_rl.training.full_state_dict import gather_stage_state_dict
+
+        return gather_stage_state_dict(self.model, self.plugin, self.optimizer)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: Path) -> None:

@@ -5,8 +5,11 @@ optimizer steps on the same fixed rollout batches: DDP, ZeRO-1, ZeRO-2 (LowLevel
 PP=2 (HybridParallelPlugin, fp32) and ZeRO-1 over DP=2 under HybridParallelPlugin (tp = pp = 1, bf16:
 the hybrid plugin runs ZeRO only in low precision). A third process trains the single-process
 references (DDP plugin with world size 1 in fp32; LowLevelZero with world size 1 in bf16) and is
-the producer end of the weight sync: after each layout, consumer rank 0 sends
-``Trainer.full_state_dict()`` through ``colossal_rl.comm.weight_sync`` and this process receives it.
+the producer end of the weight sync: after each layout, each pipeline stage's sender (``sync_stage``:
+rank 0, and under PP=2 rank 1 too) sends ``Trainer.stage_state_dict()`` over its own group through
+``colossal_rl.comm.weight_sync``, and this process receives all stages and merges them
+(``receive_stages``), as a producer does. The gathered ``Trainer.full_state_dict()`` (the HF export's
+input, on rank 0) must equal the merged stages.
 
 Checked per layout: per-step losses and gradient norms against the reference, the received state dict
 bit-identical to the one sent (transport), and the received weights against the reference's weights
@@ -208,14 +211,14 @@ def _run_and_report(out_dir: Path, name: str, body, *args) -> None:
         raise
 
 
-def _consumer(rank: int, port: int, sync_ports: list[int], out_dir: Path) -> None:
+def _consumer(rank: int, port: int, sync_ports: list[list[int]], out_dir: Path) -> None:
     _configure_process()
-    from colossal_rl.comm.weight_sync import host_as_sender
+    from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
     from colossal_rl.training.plugins import launch_colossalai, make_hybrid_plugin
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(rank, WORLD_SIZE, HOST, port, on_cpu=True)
-    for layout, sync_port in zip(LAYOUTS, sync_ports, strict=True):
+    for layout, stage_ports in zip(LAYOUTS, sync_ports, strict=True):
         started = time.perf_counter()
         config = make_config(layout.parallel)
         plugin = None
@@ -227,12 +230,18 @@ def _consumer(rank: int, port: int, sync_ports: list[int], out_dir: Path) -> Non
         trainer.build(plugin=plugin)
         result = _train(trainer, make_batches(trainer.vocab_size, trainer.pad_token_id))
         result["plugin"] = type(trainer.plugin).__name__
-        state = trainer.full_state_dict()  # a collective: every rank calls it
-        result["holds_state_dict"] = state is not None
+        result["full"] = _clone(trainer.full_state_dict())  # collectives: every rank calls both
+        state, stage = trainer.stage_state_dict(), trainer.sync_stage
+        result["sync_stage"] = stage
         if state is not None:
             result["sent"] = _clone(state)
             sender = host_as_sender(
-                host=HOST, port=sync_port, world_size=2, state_dict=state, timeout_s=SYNC_TIMEOUT_S, name=layout.name
+                host=HOST,
+                port=stage_ports[stage],
+                world_size=2,
+                state_dict=state,
+                timeout_s=SYNC_TIMEOUT_S,
+                name=f"{layout.name}/{stage_group_name(stage)}",
             )
             sender.send(state, version=NUM_STEPS)
             sender.close()
@@ -240,10 +249,10 @@ def _consumer(rank: int, port: int, sync_ports: list[int], out_dir: Path) -> Non
         torch.save(result, out_dir / f"{layout.name}.rank{rank}.pt")
 
 
-def _reference_and_producer(port: int, sync_ports: list[int], out_dir: Path) -> None:
+def _reference_and_producer(port: int, sync_ports: list[list[int]], out_dir: Path) -> None:
     """Single-process reference runs, then the receiving end of every layout's weight sync."""
     _configure_process()
-    from colossal_rl.comm.weight_sync import join_as_receiver
+    from colossal_rl.comm.weight_sync import join_as_receiver, receive_stages, stage_group_name
     from colossal_rl.training.plugins import launch_colossalai
     from colossal_rl.training.trainer import Trainer
 
@@ -260,21 +269,32 @@ def _reference_and_producer(port: int, sync_ports: list[int], out_dir: Path) -> 
         result.update(initial=initial, final=_clone(trainer.full_state_dict()), plugin=type(trainer.plugin).__name__)
         result["first_entropy_by_hand"] = first_entropy
         torch.save(result, out_dir / f"reference.{precision}.pt")
-    for layout, sync_port in zip(LAYOUTS, sync_ports, strict=True):
-        receiver = join_as_receiver(
-            host=HOST, port=sync_port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, name=layout.name
-        )
-        version, tensors = receiver.receive()
+    for layout, stage_ports in zip(LAYOUTS, sync_ports, strict=True):
+        receivers = [
+            join_as_receiver(
+                host=HOST,
+                port=stage_port,
+                rank=1,
+                world_size=2,
+                timeout_s=SYNC_TIMEOUT_S,
+                name=f"{layout.name}/{stage_group_name(stage)}",
+            )
+            for stage, stage_port in enumerate(stage_ports)
+        ]
+        version, tensors = receive_stages(receivers)
         torch.save({"version": version, "state_dict": _clone(tensors)}, out_dir / f"{layout.name}.received.pt")
-        receiver.close()
+        for receiver in receivers:
+            receiver.close()
 
 
 def _run_processes(out_dir: Path) -> float:
     """Start the two consumers and the reference/producer process; wait for all, within DEADLINE_S."""
     ports: set[int] = set()
-    while len(ports) < 2 + len(LAYOUTS):
+    stages = [layout.parallel.pp_size for layout in LAYOUTS]
+    while len(ports) < 2 + sum(stages):
         ports.add(find_free_port())
-    consumer_port, reference_port, *sync_ports = sorted(ports)
+    consumer_port, reference_port, *free = sorted(ports)
+    sync_ports = [[free.pop() for _ in range(count)] for count in stages]  # per layout, one port per stage
     context = mp.get_context("spawn")
     processes = {
         f"consumer{rank}": context.Process(
@@ -364,7 +384,9 @@ def assert_weights_close(actual: dict[str, torch.Tensor], reference: dict, toler
 def test_layout_matches_single_process(results, layout):
     reference, tolerance = results[f"reference.{layout.reference}"], layout.tolerance
     rank0, rank1 = results[f"{layout.name}.rank0"], results[f"{layout.name}.rank1"]
-    assert rank0["holds_state_dict"] and not rank1["holds_state_dict"], "exactly global rank 0 sends the weights"
+    # One sender per pipeline stage: rank 0 alone, or under PP=2 rank 0 for stage 0 and rank 1 for stage 1.
+    assert [rank0["sync_stage"], rank1["sync_stage"]] == ([0, 1] if layout.parallel.pp_size == 2 else [0, None])
+    assert rank0["full"] is not None and rank1["full"] is None, "global rank 0 alone gathers the full dict"
     for rank in (rank0, rank1):
         torch.testing.assert_close(
             rank["losses"], reference["losses"], rtol=tolerance.loss_rtol, atol=tolerance.loss_atol
@@ -376,8 +398,15 @@ def test_layout_matches_single_process(results, layout):
 
     received = results[f"{layout.name}.received"]
     assert received["version"] == NUM_STEPS
-    sent, got = rank0["sent"], received["state_dict"]
+    senders = sorted((r for r in (rank0, rank1) if r["sync_stage"] is not None), key=lambda r: r["sync_stage"])
+    parts = [sender["sent"] for sender in senders]  # in stage order
+    sent, got = {name: t for part in parts for name, t in part.items()}, received["state_dict"]
     assert list(got) == list(sent)
+    if layout.parallel.pp_size == 2:
+        assert all(parts) and not set(parts[0]) & set(parts[1]), "each stage sends its own, non-empty part"
+    assert list(rank0["full"]) == list(sent)  # the export's gathered dict: the same weights
+    for name, tensor in sent.items():
+        assert torch.equal(rank0["full"][name], tensor), name
     for name, tensor in sent.items():  # the transport is exact
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     assert_weights_close(got, reference, tolerance)

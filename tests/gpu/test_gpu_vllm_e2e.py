@@ -57,7 +57,7 @@ def test_vllm_producer_holds_the_trainer_weights_after_an_nccl_sync(tmp_path):
         driver = Driver(config, run_dir, MetricsLogger(run_dir, "gpu-test", {}, use_wandb=False))
         driver.start()
         producer = driver.producers[0]
-        backend = ray.get(producer.__ray_call__.remote(lambda actor: actor.receiver.group.backend))
+        backend = ray.get(producer.__ray_call__.remote(lambda actor: actor.receivers[0].group.backend))
         assert backend == "nccl"
         initial = ray.get(producer.named_weights.remote())
 

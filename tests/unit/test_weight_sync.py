@@ -20,6 +20,9 @@ from colossal_rl.comm.weight_sync import (
     pack_bucket,
     plan_buckets,
     plan_checksum,
+    receive_stages,
+    stage_group_name,
+    stage_senders,
     unpack_bucket,
 )
 
@@ -295,3 +298,78 @@ def test_sender_refuses_a_mismatching_state_dict_before_sending():
         return WeightReceiver(group, layout, bucket_bytes=512).receive()[0]
 
     assert run_pair(send, receive) == (None, 1)
+
+
+@pytest.mark.parametrize(
+    ("sync_stages", "senders"),
+    [
+        ([0, None], [0]),  # DDP / ZeRO / TP: global rank 0 sends everything
+        ([0, 1], [0, 1]),  # PP=2
+        ([0, None, 1, None], [0, 2]),  # PP=2 x TP=2: each stage's tensor-parallel rank 0
+        ([None, 1, None, 0], [3, 1]),
+    ],
+)
+def test_stage_senders_in_stage_order(sync_stages, senders):
+    assert stage_senders(sync_stages) == senders
+
+
+@pytest.mark.parametrize(
+    ("sync_stages", "message"),
+    [
+        ([0, 0], "trainers 0 and 1 both claim to send pipeline stage 0"),
+        ([None, 1], "none missing"),
+        ([None], r"sender: \[\]"),
+    ],
+)
+def test_stage_senders_refuse_a_broken_assignment(sync_stages, message):
+    with pytest.raises(RuntimeError, match=message):
+        stage_senders(sync_stages)
+
+
+def test_receive_stages_merges_every_stage_received_concurrently():
+    """Two pipeline stages each send their part over their own group to one producer (three threads)."""
+    full = mixed_state_dict(seed=7)
+    names = list(full)
+    parts = [{n: full[n] for n in names[:3]}, {n: full[n] for n in names[3:]}]
+    ports = [find_free_port(), find_free_port()]
+    results: dict[str, object] = {}
+
+    def stage_sender(stage: int, versions: tuple[int, ...]) -> None:
+        group = create_standalone_group("gloo", 0, 2, "127.0.0.1", ports[stage], 20.0, name=stage_group_name(stage))
+        sender = WeightSender(group, WeightLayout.from_state_dict(parts[stage]), bucket_bytes=256)
+        for version in versions:
+            sender.send(parts[stage], version)
+        group.destroy()
+
+    def producer() -> None:
+        receivers = []
+        for stage, part in enumerate(parts):
+            group = create_standalone_group("gloo", 1, 2, "127.0.0.1", ports[stage], 20.0, name=stage_group_name(stage))
+            receivers.append(WeightReceiver(group, WeightLayout.from_state_dict(part), bucket_bytes=256))
+        version, tensors = receive_stages(receivers)
+        results["first"] = version, {n: t.clone() for n, t in tensors.items()}
+        with pytest.raises(RuntimeError, match=r"different weight versions: \[2, 3\]"):
+            receive_stages(receivers)
+        results["mismatch refused"] = True
+
+    def guarded(name, fn, *args):
+        try:
+            fn(*args)
+        except BaseException as error:  # noqa: BLE001 - reported to the test thread below
+            results[name] = error
+
+    threads = [
+        threading.Thread(target=guarded, args=("stage0", stage_sender, 0, (1, 2))),
+        threading.Thread(target=guarded, args=("stage1", stage_sender, 1, (1, 3))),
+        threading.Thread(target=guarded, args=("producer", producer)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(40)
+    assert not any(thread.is_alive() for thread in threads), "a member hung"
+    assert not any(isinstance(v, BaseException) for v in results.values()), results
+    version, tensors = results["first"]
+    assert version == 1
+    assert_bit_identical(tensors, full)  # merged in stage order: the full dict's order
+    assert results["mismatch refused"]
