@@ -63,10 +63,10 @@ def qwen2(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, k
 
 
 CASES = {  # 0.6 M, 6.3 M and 494 M parameters; 51, 99 and 290 tensors
-    "tiny": ModelCase(config=qwen2(50, 128, 256, 4, 4, 2, False), dtype=torch.float32, repeats=10, rounds=15),
-    "medium": ModelCase(config=qwen2(50, 256, 768, 8, 4, 2, False), dtype=torch.float32, repeats=3, rounds=15),
+    "tiny": ModelCase(config=qwen2(50, 128, 256, 4, 4, 2, False), dtype=torch.float32, repeats=10, rounds=41),
+    "medium": ModelCase(config=qwen2(50, 256, 768, 8, 4, 2, False), dtype=torch.float32, repeats=3, rounds=31),
     "qwen2-0.5b": ModelCase(
-        config=qwen2(151936, 896, 4864, 24, 14, 2, True), dtype=torch.bfloat16, repeats=1, rounds=5
+        config=qwen2(151936, 896, 4864, 24, 14, 2, True), dtype=torch.bfloat16, repeats=1, rounds=9
     ),
 }
 
