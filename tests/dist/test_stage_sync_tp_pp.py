@@ -1,0 +1,186 @@
+"""TP=2 x PP=2 on four consumer processes: each pipeline stage's sender syncs its own part to a producer.
+
+The only layout here where a stage's sender is not simply "rank s": the senders are the tensor-parallel
+rank 0 of each stage, wherever ColossalAI's mesh puts them. Four consumers (gloo, fp32, one optimizer
+step on a fixed batch) and one producer process. Checked: exactly one sender per stage and
+``stage_senders`` accepts the assignment; the producer, holding one receiver per stage group and
+calling ``receive_stages`` as the producer actor does, gets every weight of the model at full shape
+(tensor-parallel shards gathered, vocabulary padding stripped), bit-identical to what global rank 0
+gathers for the HF export. Every process is joined with a deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from colossal_rl.comm.process_group import find_free_port
+from colossal_rl.config import AlgorithmConfig, ParallelConfig, RLConfig, TrainConfig
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+HOST = "127.0.0.1"
+CONSUMERS = 4
+DEADLINE_S = 240.0  # five processes importing ColossalAI on two cores
+SYNC_TIMEOUT_S = 120.0
+VERSION = 1
+STAGES = 2
+
+
+def _config() -> RLConfig:
+    return RLConfig(
+        algorithm=AlgorithmConfig(kl_coeff=0.1),
+        train=TrainConfig(learning_rate=1e-3, microbatch_size=4, max_norm=1.0),
+        parallel=ParallelConfig(num_trainers=CONSUMERS, tp_size=2, pp_size=STAGES),
+    )
+
+
+def _batch(vocab_size: int, pad_token_id: int):
+    from colossal_rl.batch import RolloutBatch
+
+    generator = torch.Generator().manual_seed(7)
+    n, prompt_len, response_len = 8, 6, 5
+    response_mask = torch.ones((n, response_len), dtype=torch.long)
+    response_mask[::2, 3:] = 0
+    return RolloutBatch(
+        prompt_ids=torch.randint(1, vocab_size, (n, prompt_len), generator=generator),
+        prompt_mask=torch.ones((n, prompt_len), dtype=torch.long),
+        response_ids=torch.randint(1, vocab_size, (n, response_len), generator=generator).masked_fill(
+            response_mask == 0, pad_token_id
+        ),
+        response_mask=response_mask,
+        behaviour_logprobs=-torch.rand((n, response_len), generator=generator) * response_mask,
+        rewards=torch.tensor([1.0, 0.0] * 4),
+        answer_correct=torch.tensor([1.0, 0.0] * 4),
+        loss_mask=torch.ones(n),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        advantages=torch.randn(n, generator=generator),
+        group_size=4,
+        policy_version=0,
+    )
+
+
+def _consumer(rank: int, port: int, stage_ports: list[int], out_dir: Path) -> None:
+    torch.set_num_threads(1)
+    from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
+    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.trainer import Trainer
+
+    launch_colossalai(rank, CONSUMERS, HOST, port, on_cpu=True)
+    trainer = Trainer(rank, CONSUMERS, _config(), HOST, port)
+    trainer.build()
+    metrics = trainer.train_step(_batch(trainer.vocab_size, trainer.pad_token_id))
+    full = trainer.full_state_dict()  # collectives: every rank calls both
+    state, stage = trainer.stage_state_dict(), trainer.sync_stage
+    if state is not None:
+        sender = host_as_sender(
+            host=HOST,
+            port=stage_ports[stage],
+            world_size=2,
+            state_dict=state,
+            timeout_s=SYNC_TIMEOUT_S,
+            name=stage_group_name(stage),
+        )
+        sender.send(state, VERSION)
+        sender.close()
+    report = {"sync_stage": stage, "loss": metrics["train/loss"], "sent": state and list(state)}
+    report["full"] = None if full is None else {name: t.detach().clone() for name, t in full.items()}
+    torch.save(report, out_dir / f"consumer{rank}.pt")
+
+
+def _producer(stage_ports: list[int], out_dir: Path) -> None:
+    torch.set_num_threads(1)
+    from colossal_rl.comm.weight_sync import join_as_receiver, receive_stages, stage_group_name
+
+    receivers = [
+        join_as_receiver(
+            host=HOST, port=port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, name=stage_group_name(stage)
+        )
+        for stage, port in enumerate(stage_ports)
+    ]
+    version, tensors = receive_stages(receivers)
+    torch.save({"version": version, "state_dict": {n: t.clone() for n, t in tensors.items()}}, out_dir / "producer.pt")
+
+
+def _report_errors(out_dir: Path, name: str, body, *args) -> None:
+    try:
+        body(*args)
+    except BaseException:
+        (out_dir / f"{name}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _run(out_dir: Path) -> None:
+    ports: set[int] = set()
+    while len(ports) < 1 + STAGES:
+        ports.add(find_free_port())
+    consumer_port, *stage_ports = sorted(ports)
+    context = mp.get_context("spawn")
+    processes = {
+        f"consumer{rank}": context.Process(
+            target=_report_errors,
+            args=(out_dir, f"consumer{rank}", _consumer, rank, consumer_port, stage_ports, out_dir),
+        )
+        for rank in range(CONSUMERS)
+    }
+    processes["producer"] = context.Process(
+        target=_report_errors, args=(out_dir, "producer", _producer, stage_ports, out_dir)
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    started = time.monotonic()
+    for process in processes.values():
+        process.start()
+    try:
+        while any(p.is_alive() for p in processes.values()):
+            failed = [name for name, p in processes.items() if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() - started > DEADLINE_S:
+                errors = [
+                    (out_dir / f"{n}.error").read_text() if (out_dir / f"{n}.error").exists() else "(no traceback)"
+                    for n in failed
+                ]
+                pytest.fail(f"failed: {failed}; alive after deadline: {time.monotonic() - started > DEADLINE_S}\n"
+                            + "\n".join(errors))  # fmt: skip
+            time.sleep(0.2)
+        assert all(p.exitcode == 0 for p in processes.values())
+    finally:
+        for process in processes.values():
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+
+
+def test_tp2_pp2_stage_senders_sync_the_full_model(tmp_path):
+    from transformers import AutoConfig
+
+    from colossal_rl.comm.weight_sync import stage_senders
+    from colossal_rl.config import EMBEDDED_MODEL_DIR
+
+    _run(tmp_path)
+    reports = [torch.load(tmp_path / f"consumer{rank}.pt") for rank in range(CONSUMERS)]
+    received = torch.load(tmp_path / "producer.pt")
+
+    stages = [report["sync_stage"] for report in reports]
+    senders = stage_senders(stages)  # one per stage, none missing
+    assert len(senders) == STAGES and stages.count(None) == CONSUMERS - STAGES
+    sent = [reports[rank]["sent"] for rank in senders]
+    assert all(sent) and not set(sent[0]) & set(sent[1]), "each stage sends its own, non-empty part"
+    assert all(torch.isfinite(torch.tensor(report["loss"])) for report in reports)
+
+    assert received["version"] == VERSION
+    got, full = received["state_dict"], reports[0]["full"]
+    assert full is not None and all(report["full"] is None for report in reports[1:])
+    assert set(got) == set(full) == set(sent[0]) | set(sent[1])
+    for name, tensor in full.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+    config = AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR)
+    embedding = got["model.embed_tokens.weight"]
+    assert tuple(embedding.shape) == (config.vocab_size, config.hidden_size)  # TP shards gathered, padding stripped
+    layers = {name.split(".")[2] for name in got if name.startswith("model.layers.")}
+    assert len(layers) == config.num_hidden_layers
