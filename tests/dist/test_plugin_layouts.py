@@ -39,15 +39,14 @@ fails, printing the failing process's traceback.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from spawned import run_spawned
 
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.comm.process_group import find_free_port
@@ -203,14 +202,6 @@ def _clone(state_dict: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor
     return None if state_dict is None else {name: t.detach().clone() for name, t in state_dict.items()}
 
 
-def _run_and_report(out_dir: Path, name: str, body, *args) -> None:
-    try:
-        body(*args)
-    except BaseException:
-        (out_dir / f"{name}.error").write_text(traceback.format_exc())
-        raise
-
-
 def _consumer(rank: int, port: int, sync_ports: list[list[int]], out_dir: Path) -> None:
     _configure_process()
     from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
@@ -295,45 +286,9 @@ def _run_processes(out_dir: Path) -> float:
         ports.add(find_free_port())
     consumer_port, reference_port, *free = sorted(ports)
     sync_ports = [[free.pop() for _ in range(count)] for count in stages]  # per layout, one port per stage
-    context = mp.get_context("spawn")
-    processes = {
-        f"consumer{rank}": context.Process(
-            target=_run_and_report,
-            args=(out_dir, f"consumer{rank}", _consumer, rank, consumer_port, sync_ports, out_dir),
-        )
-        for rank in range(WORLD_SIZE)
-    }
-    processes["reference"] = context.Process(
-        target=_run_and_report,
-        args=(out_dir, "reference", _reference_and_producer, reference_port, sync_ports, out_dir),
-    )
-    started = time.monotonic()
-    for process in processes.values():
-        process.start()
-    try:
-        while any(p.is_alive() for p in processes.values()):
-            failed = [name for name, p in processes.items() if p.exitcode not in (None, 0)]
-            if failed:
-                errors = {name: _error_text(out_dir, name) for name in failed}
-                pytest.fail(f"processes {failed} failed:\n" + "\n".join(f"{n}: {e}" for n, e in errors.items()))
-            if time.monotonic() - started > DEADLINE_S:
-                alive = [name for name, p in processes.items() if p.is_alive()]
-                pytest.fail(f"processes {alive} still running after {DEADLINE_S:.0f}s (hung collective?)")
-            time.sleep(0.2)
-        failed = [name for name, p in processes.items() if p.exitcode != 0]
-        if failed:
-            pytest.fail(f"processes {failed} failed:\n" + "\n".join(_error_text(out_dir, n) for n in failed))
-    finally:
-        for process in processes.values():
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
-    return time.monotonic() - started
-
-
-def _error_text(out_dir: Path, name: str) -> str:
-    path = out_dir / f"{name}.error"
-    return path.read_text() if path.exists() else "(no traceback: killed or crashed before reporting)"
+    bodies = {f"consumer{rank}": (_consumer, (rank, consumer_port, sync_ports, out_dir)) for rank in range(WORLD_SIZE)}
+    bodies["reference"] = (_reference_and_producer, (reference_port, sync_ports, out_dir))
+    return run_spawned(out_dir, bodies, DEADLINE_S)
 
 
 # --------------------------------------------------------------------------- the test

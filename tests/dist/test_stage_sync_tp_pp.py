@@ -11,14 +11,11 @@ gathers for the HF export. Every process is joined with a deadline.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from spawned import run_spawned
 
 from colossal_rl.comm.process_group import find_free_port
 from colossal_rl.config import AlgorithmConfig, ParallelConfig, RLConfig, TrainConfig
@@ -108,51 +105,14 @@ def _producer(stage_ports: list[int], out_dir: Path) -> None:
     torch.save({"version": version, "state_dict": {n: t.clone() for n, t in tensors.items()}}, out_dir / "producer.pt")
 
 
-def _report_errors(out_dir: Path, name: str, body, *args) -> None:
-    try:
-        body(*args)
-    except BaseException:
-        (out_dir / f"{name}.error").write_text(traceback.format_exc())
-        raise
-
-
 def _run(out_dir: Path) -> None:
     ports: set[int] = set()
     while len(ports) < 1 + STAGES:
         ports.add(find_free_port())
     consumer_port, *stage_ports = sorted(ports)
-    context = mp.get_context("spawn")
-    processes = {
-        f"consumer{rank}": context.Process(
-            target=_report_errors,
-            args=(out_dir, f"consumer{rank}", _consumer, rank, consumer_port, stage_ports, out_dir),
-        )
-        for rank in range(CONSUMERS)
-    }
-    processes["producer"] = context.Process(
-        target=_report_errors, args=(out_dir, "producer", _producer, stage_ports, out_dir)
-    )
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    started = time.monotonic()
-    for process in processes.values():
-        process.start()
-    try:
-        while any(p.is_alive() for p in processes.values()):
-            failed = [name for name, p in processes.items() if p.exitcode not in (None, 0)]
-            if failed or time.monotonic() - started > DEADLINE_S:
-                errors = [
-                    (out_dir / f"{n}.error").read_text() if (out_dir / f"{n}.error").exists() else "(no traceback)"
-                    for n in failed
-                ]
-                pytest.fail(f"failed: {failed}; alive after deadline: {time.monotonic() - started > DEADLINE_S}\n"
-                            + "\n".join(errors))  # fmt: skip
-            time.sleep(0.2)
-        assert all(p.exitcode == 0 for p in processes.values())
-    finally:
-        for process in processes.values():
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
+    bodies = {f"consumer{rank}": (_consumer, (rank, consumer_port, stage_ports, out_dir)) for rank in range(CONSUMERS)}
+    bodies["producer"] = (_producer, (stage_ports, out_dir))
+    run_spawned(out_dir, bodies, DEADLINE_S)
 
 
 def test_tp2_pp2_stage_senders_sync_the_full_model(tmp_path):
