@@ -1,8 +1,9 @@
 """A consumer rank: trains the policy under a ColossalAI Booster, one optimizer step per call.
 
 Phase-sized methods: ``setup``, ``train_step`` (forward/backward over micro-batches, then one
-optimizer step), ``stage_state_dict`` (for the weight sync), ``full_state_dict`` (for the export). Plain class: no Ray here; the loss
-math lives in ``colossal_rl/algorithms`` and is reached through ``training/objective.py``.
+optimizer step), ``stage_state_dict`` (for the weight sync), ``full_state_dict`` (for the export).
+Plain class: no Ray here; the loss math lives in ``colossal_rl/algorithms`` and is reached through
+``training/objective.py``.
 """
 
 from __future__ import annotations
