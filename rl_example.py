@@ -27,6 +27,7 @@ from colossal_rl.config import (
     ScheduleConfig,
     TrainConfig,
     VllmEngineConfig,
+    replace,
 )
 
 logger = logging.getLogger("colossal_rl")
@@ -66,9 +67,14 @@ FIELD_FLAGS = {
     "run.save_limit": "--save-limit",
     "run.log_rollout_interval": "--log-rollout-interval",
     "train.warmup_steps": "--warmup-steps",
+    "train.ppo_epochs": "--ppo-epochs",
+    "train.attn_implementation": "--attn-implementation",
+    "algorithm.old_logprobs": "--old-logprobs",
     "run.timeout_s": "--timeout",
+    "run.master_port": "--master_port",
     "run.producer_threads": "--producer-threads",
     "run.trainer_threads": "--trainer-threads",
+    "run.weight_sync_backend": "--weight-sync-backend",
 }
 
 
@@ -83,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("-m", "--model", default=defaults.model.path, help="HF hub name or local model directory.")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Run the model's own code (auto_map in its config) when loading it, its tokenizer and config.",
+    )
     p.add_argument("-cp", "--checkpoint-path", default=None, help="Resume from this checkpoint directory.")
     p.add_argument("-d", "--dataset", default=defaults.data.train_path, help="Training prompts (jsonl).")
     p.add_argument("-ed", "--eval-dataset", default=None, help='JSON map {"task": "path.jsonl"}; default: embedded.')
@@ -124,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Join the Ray cluster whose head is here: host (port 6379), host:port, auto or ray://host:port.",
     )
-    p.add_argument("--master_port", type=int, default=defaults.run.master_port)
+    p.add_argument(
+        "--master_port",
+        type=int,
+        default=defaults.run.master_port,
+        help="Trainers' process-group port; default: a free port locally, 29506 on a --master_address cluster.",
+    )
     p.add_argument(
         "-b",
         "--backend",
@@ -175,6 +191,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-lr", "--learning-rate", type=float, default=defaults.train.learning_rate)
     p.add_argument("-kl", "--kl-coeff", type=float, default=defaults.algorithm.kl_coeff)
+    p.add_argument(
+        "--old-logprobs",
+        choices=["recompute", "behaviour"],
+        default=defaults.algorithm.old_logprobs,
+        help="pi_old of the ratio: the round's starting policy (recompute) or the producer's log-probs (behaviour).",
+    )
+    p.add_argument(
+        "--ppo-epochs", type=int, default=defaults.train.ppo_epochs, help="Passes over each round's samples."
+    )
+    p.add_argument(
+        "--grad-checkpoint", action="store_true", help="Recompute decoder-layer activations in backward (less memory)."
+    )
+    p.add_argument(
+        "--attn-implementation",
+        choices=["sdpa", "eager", "flash_attention_2"],
+        default=defaults.train.attn_implementation,
+        help="Attention kernel of the trained and reference models (flash_attention_2: GPU with flash-attn).",
+    )
+    p.add_argument(
+        "--full-logits",
+        action="store_true",
+        help="Compute log-probs from full [tokens, vocabulary] logits instead of from hidden states in chunks.",
+    )
     p.add_argument("-rt", "--reward-type", default="boxed", choices=["boxed", "think_answer_tags", "code"])
     p.add_argument(
         "--reward-fn", default=None, help="User reward plug-in: path/to/file.py:function or module:function."
@@ -211,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trainer-threads", type=int, default=None, help="torch threads per trainer (default: cores split evenly)."
     )
+    p.add_argument(
+        "--weight-sync-backend",
+        choices=["torch", "ray_nccl"],
+        default=defaults.run.weight_sync_backend,
+        help="Weight-sync group: torch (gloo on CPU, ProcessGroupNCCL on GPU) or ray_nccl (Ray's cupy NCCL; GPUs).",
+    )
     p.add_argument("--no-wandb", action="store_true", help="Write metrics.jsonl only.")
     return p
 
@@ -218,7 +263,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_flags_against_environment(args: argparse.Namespace) -> None:
     """Flags that depend on what is installed or reachable, checked before Ray starts."""
     _check_backend(args)
+    _check_attention(args)
     _check_master_address(args)
+    _check_weight_sync_backend(args)
+
+
+def _check_attention(args: argparse.Namespace) -> None:
+    """--attn-implementation flash_attention_2 needs the flash-attn package (checked without importing it)."""
+    from importlib.util import find_spec
+
+    if args.attn_implementation == "flash_attention_2" and find_spec("flash_attn") is None:
+        raise UsageError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package (GPU only: "
+            "pip install flash-attn --no-build-isolation); use sdpa otherwise"
+        )
 
 
 def _check_backend(args: argparse.Namespace) -> None:
@@ -235,6 +293,17 @@ def _check_backend(args: argparse.Namespace) -> None:
             logger.warning("%s", warning)
     elif args.producer_tensor_parallel_size > 1:
         raise UsageError("-ptp/--producer-tensor-parallel-size > 1 needs -b vllm (tensor-parallel producers)")
+
+
+def _check_weight_sync_backend(args: argparse.Namespace) -> None:
+    """--weight-sync-backend ray_nccl needs cupy (checked without importing it); GPUs are checked at launch."""
+    import importlib.util
+
+    if args.weight_sync_backend == "ray_nccl" and importlib.util.find_spec("cupy") is None:
+        raise UsageError(
+            "--weight-sync-backend ray_nccl: Ray's NCCL collectives need cupy, which is not installed "
+            '(pip install -e ".[gpu]"), or use --weight-sync-backend torch'
+        )
 
 
 def _check_master_address(args: argparse.Namespace) -> None:
@@ -267,11 +336,14 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
 
     _check_flags_against_environment(args)
     try:
-        algorithm: AlgorithmConfig = algorithm_preset(
-            args.algo, kl_coeff=args.kl_coeff, max_new_tokens=args.max_new_tokens, n_behind=args.n_behind
+        algorithm: AlgorithmConfig = replace(
+            algorithm_preset(
+                args.algo, kl_coeff=args.kl_coeff, max_new_tokens=args.max_new_tokens, n_behind=args.n_behind
+            ),
+            old_logprobs=args.old_logprobs,
         )
         config = RLConfig(
-            model=ModelConfig(path=args.model),
+            model=ModelConfig(path=args.model, trust_remote_code=args.trust_remote_code),
             data=DataConfig(
                 train_path=args.dataset,
                 eval_paths=_eval_paths(args),
@@ -303,6 +375,10 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 minibatch_size=args.train_minibatch_size,
                 microbatch_size=args.train_microbatch_size,
                 warmup_steps=args.warmup_steps,
+                ppo_epochs=args.ppo_epochs,
+                gradient_checkpointing=args.grad_checkpoint,
+                attn_implementation=args.attn_implementation,
+                logits_from_hidden=not args.full_logits,
             ),
             parallel=ParallelConfig(
                 num_trainers=args.num_trainers,
@@ -337,6 +413,7 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 timeout_s=args.timeout,
                 producer_threads=args.producer_threads,
                 trainer_threads=args.trainer_threads,
+                weight_sync_backend=args.weight_sync_backend,
                 ray_dir=args.ray_dir,
                 master_address=args.master_address,
                 master_port=args.master_port,
@@ -369,13 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     from colossal_rl.checkpoint import CheckpointError
     from colossal_rl.data import DataError
     from colossal_rl.launch import RunFailed, run_training
+    from colossal_rl.placement import PlacementError
     from colossal_rl.run_outputs import OutputDirError
 
     try:
         config = config_from_args(args)
         check_inputs(config)
         summary = run_training(config, use_wandb=not args.no_wandb)
-    except (UsageError, DataError, RunFailed, CheckpointError, OutputDirError) as error:
+    except (UsageError, DataError, RunFailed, CheckpointError, OutputDirError, PlacementError) as error:
         logger.error("%s", error)
         return 2
     except KeyboardInterrupt:

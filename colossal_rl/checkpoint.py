@@ -46,6 +46,7 @@ RESUME_INVARIANT_FIELDS = (
     "generation.num_generations",
     "algorithm.name",
     "train.batch_size",
+    "train.ppo_epochs",
     "parallel.num_trainers",
     "parallel.tp_size",
     "parallel.pp_size",

@@ -23,6 +23,9 @@ LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardType = Literal["boxed", "think_answer_tags", "code"]
 Backend = Literal["transformers", "vllm"]
+OldLogprobs = Literal["recompute", "behaviour"]
+AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
+WeightSyncBackend = Literal["torch", "ray_nccl"]
 
 
 class ConfigError(ValueError):
@@ -44,7 +47,8 @@ class ModelConfig:
     path: str = str(EMBEDDED_MODEL_DIR)
     """Hugging Face hub name or local directory of the policy (and reference) model."""
     trust_remote_code: bool = False
-    """Passed to ``from_pretrained``; off unless the user asks."""
+    """Lets the model's own code (``auto_map`` in its config) run: passed to every load of its model,
+    tokenizer and config (trainers, producers of both backends, export); off unless the user asks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,7 +154,8 @@ class AlgorithmConfig:
     kl_estimator: KLEstimator = "k3"
     """Estimator of the KL term (Schulman's k1/k2/k3)."""
     advantage_eps: float = 1e-6
-    """Added to the std in advantage normalisation."""
+    """Added to the std by the estimators that divide by one (grpo, reinforce_ppb_sample); the others ignore
+    it (reinforce_ppb whitens with verl's fixed 1e-8 on the variance)."""
     filter_range: tuple[float, float] | None = None
     """Keep only groups whose accuracy lies in [low, high] (DAPO dynamic sampling); None keeps all."""
     filter_truncated_response: bool = False
@@ -161,6 +166,12 @@ class AlgorithmConfig:
     """Length of DAPO's soft punishment window, in tokens."""
     truncated_is_cap: float | None = None
     """Cap of the truncated importance weight between behaviour and old logprobs; None disables it."""
+    old_logprobs: OldLogprobs = "recompute"
+    """What pi_old (the ratio's denominator) is. ``recompute``: the policy at the start of the round, the
+    weights the round's first optimizer step starts from (one extra no-grad forward over the round's samples
+    after its first step's; verl's "recompute old log-prob"). ``behaviour``: the producer's sampling
+    log-probs (ColossalChat; no extra forward, but the ratio then also carries staleness and the
+    inference/training numeric mismatch)."""
 
     def validate(self) -> None:
         _require(self.clip_eps_low >= 0, "algorithm.clip_eps_low", "must be >= 0")
@@ -174,6 +185,11 @@ class AlgorithmConfig:
         _require(self.cache_length >= 0, "algorithm.cache_length", "must be >= 0")
         _require(
             self.truncated_is_cap is None or self.truncated_is_cap >= 1, "algorithm.truncated_is_cap", "must be >= 1"
+        )
+        _require(
+            self.old_logprobs in ("recompute", "behaviour"),
+            "algorithm.old_logprobs",
+            f"must be recompute or behaviour, got {self.old_logprobs!r}",
         )
 
 
@@ -193,6 +209,27 @@ class TrainConfig:
     """AdamW weight decay."""
     warmup_steps: int = 0
     """Optimizer steps of linear learning-rate warm-up from lr/warmup_steps to lr; constant afterwards."""
+    ppo_epochs: int = 1
+    """Passes over each round's samples (verl's ppo_epochs); passes after the first re-shuffle the round's
+    groups into steps with a generator seeded by (run seed, round, epoch), so resumes stay exact."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (Hugging Face's
+    gradient checkpointing, non-reentrant)."""
+    attn_implementation: AttentionImplementation = "sdpa"
+    """Attention kernel of the trained (and reference) model: sdpa, eager, or flash_attention_2 (GPU, when
+    the flash-attn package is installed)."""
+    logits_from_hidden: bool = True
+    """Compute log-probs and entropy from the last hidden states, applying the output head one chunk of
+    positions at a time, so [tokens, vocabulary] logits never exist (off: the model returns full logits).
+    Tensor-parallel layouts always use full (vocabulary-sharded) logits."""
+
+    def validate(self) -> None:
+        _require(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
+        _require(
+            self.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
+            "train.attn_implementation",
+            f"must be sdpa, eager or flash_attention_2, got {self.attn_implementation!r}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,7 +284,8 @@ class ScheduleConfig:
     n_behind: int = 1
     """Producers may generate with weights this many versions older than the trainers'; staler batches are dropped."""
     max_steps: int | None = None
-    """Stop after this many optimizer steps (None: run all episodes)."""
+    """Stop after the round in which this many optimizer steps are reached: a round's steps are trained
+    together, so the run takes the next multiple of ``optimizer_steps_per_round`` (None: run all episodes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,12 +330,17 @@ class RunConfig:
     """Ray temporary directory."""
     master_address: str | None = None
     """Address of an existing Ray cluster head; None starts Ray locally."""
-    master_port: int = 29506
-    """Port base for the trainers' process group."""
+    master_port: int | None = None
+    """Rendezvous port of the trainers' process group on trainer 0's node; None: a free port when Ray runs
+    locally, ColossalChat's 29506 when joining a cluster (``master_address``)."""
     producer_threads: int | None = None
     """torch intra-op threads per producer; None: the machine's cores split evenly over all actors."""
     trainer_threads: int | None = None
     """torch intra-op threads per trainer; None: the machine's cores split evenly over all actors."""
+    weight_sync_backend: WeightSyncBackend = "torch"
+    """Group carrying the trainer-to-producer weight sync (``comm/transports.py``). ``torch``: torch's own
+    process group over a standalone TCPStore, gloo for CPU weights and ProcessGroupNCCL for GPU weights.
+    ``ray_nccl``: Ray's cupy-based NCCL collective group (GPUs only, needs cupy: the ``gpu`` extra)."""
 
     def validate(self) -> None:
         _require(self.producer_threads is None or self.producer_threads >= 1, "run.producer_threads", "must be >= 1")
@@ -307,6 +350,12 @@ class RunConfig:
         _require(self.save_limit >= 0, "run.save_limit", "must be >= 0")
         _require(self.log_rollout_interval >= 0, "run.log_rollout_interval", "must be >= 0")
         _require(self.timeout_s > 0, "run.timeout_s", "must be > 0")
+        _require(
+            self.weight_sync_backend in ("torch", "ray_nccl"),
+            "run.weight_sync_backend",
+            f"must be torch or ray_nccl, got {self.weight_sync_backend!r}",
+        )
+        _require(self.master_port is None or 0 < self.master_port < 65536, "run.master_port", "must be in 1..65535")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,9 +379,15 @@ class RLConfig:
             self.parallel.dp_size * self.train.batch_size
         )
 
+    @property
+    def optimizer_steps_per_round(self) -> int:
+        """Optimizer steps each trainer takes per round: ``steps_per_round`` for each of ``train.ppo_epochs``."""
+        return self.steps_per_round * self.train.ppo_epochs
+
     def validate(self) -> RLConfig:
         self.generation.validate()
         self.algorithm.validate()
+        self.train.validate()
         self.parallel.validate()
         self.run.validate()
         self._validate_batch_arithmetic()

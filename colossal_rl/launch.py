@@ -22,6 +22,7 @@ import ray
 from tqdm import tqdm
 
 from colossal_rl import checkpoint as ckpt
+from colossal_rl.comm.transports import check_transport_for_cluster
 from colossal_rl.comm.weight_sync import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.metrics import MetricsLogger
@@ -130,7 +131,7 @@ def total_rounds(config: RLConfig, num_rows: int) -> int:
         )
     rounds = schedule.rounds_per_episode * config.schedule.num_episodes
     if config.schedule.max_steps is not None:
-        rounds = min(rounds, math.ceil(config.schedule.max_steps / config.steps_per_round))
+        rounds = min(rounds, math.ceil(config.schedule.max_steps / config.optimizer_steps_per_round))
     return rounds
 
 
@@ -139,8 +140,9 @@ class Driver:
 
     def __init__(self, config: RLConfig, run_dir: Path, metrics: MetricsLogger):
         from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor, free_port
-        from colossal_rl.placement import actor_options, threads_per_actor
+        from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port
 
+        check_transport_for_cluster(config.run.weight_sync_backend, ray.nodes())  # before any actor starts
         self.config = config
         self.run_dir = run_dir
         self.metrics = metrics
@@ -160,7 +162,9 @@ class Driver:
             n_behind=sched.n_behind,
             takers_per_rank=par.tp_size * par.pp_size,
         )
-        master_port = free_port() if config.run.master_address is None else config.run.master_port
+        master_port = trainer_master_port(
+            config.run.master_port, joins_cluster=config.run.master_address is not None, free_port=free_port
+        )
         placement = actor_options(
             ray.nodes(),
             num_producers=sched.num_producers,
@@ -248,7 +252,7 @@ class Driver:
             if r not in self.pending_produce:  # restored rounds are already in the buffer
                 self.pending_produce[r] = self.named("produce", "producer", r, self.buffer)
         progress = tqdm(
-            total=rounds * self.config.steps_per_round, initial=self.step, desc="optimizer steps", unit="step"
+            total=rounds * self.config.optimizer_steps_per_round, initial=self.step, desc="optimizer steps", unit="step"
         )
         for round_index in range(self.next_round, rounds):
             round_started = time.perf_counter()
@@ -432,7 +436,9 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         )
     run_dir = make_run_dir(config)
     metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
-    logger.info("run directory: %s (%d rounds, %d steps per round)", run_dir, rounds, config.steps_per_round)
+    logger.info(
+        "run directory: %s (%d rounds, %d optimizer steps per round)", run_dir, rounds, config.optimizer_steps_per_round
+    )
     started_ray = not ray.is_initialized()
     init_ray(config)
     driver = None

@@ -17,7 +17,7 @@ GPUs and Ray may place them elsewhere rather than wait (a CPU actor only needs a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +90,19 @@ class Placement:
         if len({trainer.node_id for trainer in self.trainers}) <= 1:
             return LOCAL_ADDRESS
         return self.trainers[0].address
+
+
+CLUSTER_MASTER_PORT = 29506
+"""The trainers' rendezvous port on a cluster when ``--master_port`` is not given (ColossalChat's default)."""
+
+
+def trainer_master_port(master_port: int | None, *, joins_cluster: bool, free_port: Callable[[], int]) -> int:
+    """The trainers' rendezvous port: ``master_port`` when given; else ``free_port()`` when Ray runs locally
+    (every actor is on this machine, and runs side by side never collide), or ``CLUSTER_MASTER_PORT`` on a
+    cluster, where trainer 0 may sit on a node whose free ports the driver cannot see."""
+    if master_port is not None:
+        return master_port
+    return CLUSTER_MASTER_PORT if joins_cluster else free_port()
 
 
 def threads_per_actor(

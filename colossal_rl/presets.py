@@ -75,7 +75,8 @@ def rloo(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmCon
 
 @PRESETS.register("REINFORCE_PPB")
 def reinforce_ppb(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
-    """REINFORCE++ with a group baseline (Hu et al. 2025): group-centred, batch-whitened advantages."""
+    """REINFORCE++ with a group baseline (Hu et al. 2025): group-centred advantages whitened over the batch's
+    response tokens, as verl and OpenRLHF compute them."""
     return AlgorithmConfig(
         name="REINFORCE_PPB",
         advantage_estimator="reinforce_ppb",

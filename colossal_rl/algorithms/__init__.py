@@ -11,6 +11,7 @@ from colossal_rl.algorithms.advantages import (
     grpo_advantages,
     reinforce_advantages,
     reinforce_ppb_advantages,
+    reinforce_ppb_sample_advantages,
     rloo_advantages,
 )
 from colossal_rl.algorithms.filters import (
@@ -68,6 +69,7 @@ __all__ = [
     "off_policy_metrics",
     "reinforce_advantages",
     "reinforce_ppb_advantages",
+    "reinforce_ppb_sample_advantages",
     "rloo_advantages",
     "sample_level_loss",
     "seq_mean_token_sum_loss",

@@ -1,10 +1,14 @@
 """Advantage estimators over scalar sample rewards.
 
-Every estimator has the signature ``fn(rewards [N], group_size, eps, valid_mask [N] | None) -> advantages [N]``.
-Samples are group-major: sample ``i`` answers prompt ``i // group_size``. Samples with ``valid_mask == 0``
-(infrastructure errors, filtered responses) neither enter any statistic nor receive a nonzero advantage.
-A group whose valid rewards are all equal gets exactly zero advantage (never NaN), whatever ``eps`` is.
-Pure torch; no config objects, no distributed code.
+Every estimator has the signature
+``fn(rewards [N], group_size, eps, valid_mask [N] | None = None, *, response_lengths [N] | None = None)
+-> advantages [N]``; an estimator that does not weight by tokens ignores ``response_lengths`` (None counts
+every sample as one token). Samples are group-major: sample ``i`` answers prompt ``i // group_size``.
+Samples with ``valid_mask == 0`` (infrastructure errors, filtered responses) neither enter any statistic
+nor receive a nonzero advantage. Under the group estimators (grpo, dr_grpo, rloo, reinforce_ppb_sample) a
+group whose valid rewards are all equal gets exactly zero advantage (never NaN), whatever ``eps`` is;
+``reinforce_ppb`` re-centres over the batch's tokens afterwards, as verl does, so such a group gets the
+same small value on every sample. Pure torch; no config objects, no distributed code.
 """
 
 from __future__ import annotations
@@ -53,9 +57,36 @@ def _divide_by_std(centered: torch.Tensor, count: torch.Tensor, eps: float) -> t
     return centered / torch.where(std > 0, std + eps, 1.0)
 
 
+def _grouped_lengths(response_lengths: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Response lengths [N] as float, shaped as ``like`` ([N / G, G]); ``ValueError`` on a wrong shape."""
+    if response_lengths.shape != (like.numel(),):
+        raise ValueError(f"response_lengths must have shape [{like.numel()}], got {tuple(response_lengths.shape)}")
+    return response_lengths.float().view_as(like)
+
+
+_WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
+
+
+def _token_whiten(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) * rsqrt(var + 1e-8)`` with the ``weights``-weighted mean and Bessel-corrected variance.
+
+    A weight is a token count: the statistics equal those over a flat list where ``x_i`` appears ``w_i``
+    times. Entries of weight 0 get 0; a whole batch of at most one token gives zeros.
+    """
+    tokens = weights.sum()
+    mean = (weights * values).sum() / tokens.clamp(min=1)
+    variance = (weights * (values - mean).square()).sum() / (tokens - 1).clamp(min=1)
+    return torch.where(weights > 0, (values - mean) * torch.rsqrt(variance + _WHITEN_EPS), 0.0)
+
+
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float, valid_mask: torch.Tensor | None = None
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    response_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A_i = (r_i - mean_group(r)) / (std_group(r) + eps).
 
@@ -69,7 +100,12 @@ def grpo_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def dr_grpo_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float, valid_mask: torch.Tensor | None = None
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    response_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A_i = r_i - mean_group(r)  (no std division; ``eps`` is unused).
 
@@ -83,7 +119,12 @@ def dr_grpo_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float, valid_mask: torch.Tensor | None = None
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    response_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A_i = r_i - mean_{j != i} r_j = k / (k - 1) * (r_i - mean_group(r)), k = valid samples in the group.
 
@@ -98,14 +139,46 @@ def rloo_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_ppb")
 def reinforce_ppb_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float, valid_mask: torch.Tensor | None = None
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    response_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A_i = a_i / (std_batch(a) + eps) with a_i = r_i - mean_group(r).
+    """A_i = (a_i - mean_tok(a)) * rsqrt(var_tok(a) + 1e-8) with a_i = r_i - mean_group(r).
 
-    REINFORCE++ with a group-mean baseline, Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262). The group
-    baseline already makes the batch mean of ``a`` zero, so whitening reduces to a division by the
-    (unbiased, sample-level) batch std — a division: ColossalChat multiplies by the std, a bug.
-    rewards [N], valid_mask [N] -> advantages [N].
+    REINFORCE++ with a group-mean baseline, Hu et al. 2025, "REINFORCE++" (arXiv:2501.03262), as verl's
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage`` and OpenRLHF's ``reinforce_baseline`` compute
+    it: every response token carries its sample's ``a_i``, and the whitening statistics run over the tokens
+    of the valid samples, so sample ``i`` weighs ``response_lengths[i]`` (1 each when None). ``var_tok`` is
+    Bessel-corrected over tokens and 1e-8 is verl's ``masked_whiten`` constant (OpenRLHF: biased variance,
+    ``max(var, 1e-8)``), so ``eps`` is unused. Differences from verl: a group with one valid sample is centred
+    to 0 here (verl keeps the raw score of a prompt with a single response), and a batch with one token gives
+    0 (verl raises). Samples without tokens get 0. rewards, valid_mask, response_lengths [N] -> advantages [N].
+    """
+    grouped, valid = _grouped(rewards, group_size, valid_mask)
+    centered, _ = _center(grouped, valid)
+    tokens = torch.ones_like(centered) if response_lengths is None else _grouped_lengths(response_lengths, centered)
+    weights = torch.where(valid, tokens, 0.0)
+    return _token_whiten(centered, weights).view(-1)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_ppb_sample")
+def reinforce_ppb_sample_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    response_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A_i = a_i / (std_batch(a) + eps) with a_i = r_i - mean_group(r)  (``response_lengths`` is unused).
+
+    The per-sample variant of ``reinforce_ppb``: no token weighting and no re-centring (the group baseline
+    already makes the batch mean of ``a`` zero over samples), so equal-reward groups keep exactly 0. The std
+    is the unbiased sample-level batch std of the valid ``a`` — a division: ColossalChat multiplies by the
+    std, a bug. rewards [N], valid_mask [N] -> advantages [N].
     """
     grouped, valid = _grouped(rewards, group_size, valid_mask)
     centered, _ = _center(grouped, valid)
@@ -115,7 +188,12 @@ def reinforce_ppb_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("reinforce")
 def reinforce_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float, valid_mask: torch.Tensor | None = None
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    response_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A_i = r_i - mean_batch(r)  (batch-mean baseline; ``group_size`` and ``eps`` are unused).
 

@@ -39,6 +39,12 @@ class PolicyLossOutput(NamedTuple):
     """[B, T] the importance ratio the loss used, detached (per token, or the sequence ratio broadcast)."""
     clipped: torch.Tensor
     """[B, T] bool, true where a clip (or the dual clip) is active, i.e. the token gives no gradient."""
+    clipped_low: torch.Tensor
+    """[B, T] bool: the lower clip is active (ratio < 1 - eps_low with a negative advantage)."""
+    clipped_high: torch.Tensor
+    """[B, T] bool: the upper clip is active (ratio > 1 + eps_high with a positive advantage)."""
+    dual_clipped: torch.Tensor
+    """[B, T] bool: the dual clip is active (ratio > dual_clip with a negative advantage)."""
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -49,20 +55,28 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _clip_objective(
     ratio: torch.Tensor, advantages: torch.Tensor, clip_eps_low: float, clip_eps_high: float, dual_clip: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """max(-A r, -A clip(r, 1 - low, 1 + high)), then min(., -c A) where A < 0 (dual clip); [B, T], [B] -> [B, T]."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """max(-A r, -A clip(r, 1 - low, 1 + high)), then min(., -c A) where A < 0 (dual clip); [B, T], [B] -> [B, T].
+
+    Also returns where each clip is active ([B, T] bool masks ``clipped``, ``clipped_low``, ``clipped_high``,
+    ``dual_clipped``): an active clip means the token's loss is constant in the ratio (zero gradient).
+    """
     advantages = advantages.unsqueeze(-1)  # [B, 1]
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     loss = torch.maximum(unclipped, clipped)
     is_clipped = clipped > unclipped
+    above = ratio > 1 + clip_eps_high
+    masks = {"clipped_low": is_clipped & ~above, "clipped_high": is_clipped & above}
+    dual_clipped = torch.zeros_like(is_clipped)
     if dual_clip is not None:
         # Dual clip bounds the loss of a negative-advantage token at c * |A| however large the ratio grows.
         bound = -advantages * dual_clip
         dual_clipped = (advantages < 0) & (loss > bound)
         loss = torch.where(dual_clipped, bound, loss)
-        is_clipped = is_clipped | dual_clipped
-    return loss, is_clipped
+    masks["dual_clipped"] = dual_clipped
+    masks["clipped"] = is_clipped | dual_clipped
+    return loss, masks
 
 
 @POLICY_LOSSES.register("clipped")
@@ -85,8 +99,8 @@ def clipped_policy_loss(
     """
     log_ratio = (new_logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
-    loss, clipped = _clip_objective(ratio, advantages, clip_eps_low, clip_eps_high, dual_clip)
-    return PolicyLossOutput(loss=loss, ratio=ratio.detach(), clipped=clipped)
+    loss, masks = _clip_objective(ratio, advantages, clip_eps_low, clip_eps_high, dual_clip)
+    return PolicyLossOutput(loss=loss, ratio=ratio.detach(), **masks)
 
 
 @POLICY_LOSSES.register("gspo")
@@ -113,8 +127,8 @@ def gspo_policy_loss(
     sequence_log_ratio = token_log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
     sequence_log_ratio = sequence_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = (new_logprobs - new_logprobs.detach() + sequence_log_ratio.unsqueeze(-1)).exp()  # [B, T]
-    loss, clipped = _clip_objective(ratio, advantages, clip_eps_low, clip_eps_high, dual_clip)
-    return PolicyLossOutput(loss=loss, ratio=ratio.detach(), clipped=clipped)
+    loss, masks = _clip_objective(ratio, advantages, clip_eps_low, clip_eps_high, dual_clip)
+    return PolicyLossOutput(loss=loss, ratio=ratio.detach(), **masks)
 
 
 def skip_threshold_mask(

@@ -35,7 +35,8 @@ def off_policy_metrics(
 
     ``off_policy/logprob_abs_diff`` = mean |logp_old - logp_behaviour|; ``off_policy/ratio_mean`` = mean
     exp(logp_old - logp_behaviour); ``off_policy/capped_fraction`` = fraction of tokens whose ratio exceeds
-    ``cap`` (only when ``cap`` is set); ``off_policy/behaviour_kl`` = k3 estimate of KL(behaviour || old).
+    ``cap`` and ``off_policy/tis_weight_mean`` = mean min(ratio, cap) (only when ``cap`` is set);
+    ``off_policy/ratio_max`` (a maximum); ``off_policy/behaviour_kl`` = k3 estimate of KL(behaviour || old).
     old/behaviour_logprobs [B, T], response_mask [B, T].
     """
     log_ratio = (old_logprobs - behaviour_logprobs).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -45,6 +46,9 @@ def off_policy_metrics(
         "off_policy/ratio_mean": masked_mean(ratio, response_mask),
         "off_policy/behaviour_kl": masked_mean(ratio - log_ratio - 1, response_mask),
     }
+    mask = response_mask.bool()
+    metrics["off_policy/ratio_max"] = torch.where(mask, ratio, 0.0).max() if mask.any() else ratio.new_zeros(())
     if cap is not None:
         metrics["off_policy/capped_fraction"] = masked_mean((ratio > cap).float(), response_mask)
+        metrics["off_policy/tis_weight_mean"] = masked_mean(ratio.clamp(max=cap), response_mask)
     return metrics

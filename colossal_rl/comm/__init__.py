@@ -1,6 +1,6 @@
-"""All distributed I/O: standalone collective groups, weight sync, the rollout buffer.
+"""All distributed I/O: collective groups (torch standalone, Ray NCCL), weight sync, the rollout buffer.
 
-Importing this package pulls in torch only (no Ray, no ColossalAI).
+Importing this package pulls in torch only (no Ray, no cupy, no ColossalAI).
 """
 
 from colossal_rl.comm.process_group import (
@@ -13,6 +13,8 @@ from colossal_rl.comm.process_group import (
     default_device,
     find_free_port,
 )
+from colossal_rl.comm.ray_nccl_group import RayNcclGroup, create_ray_nccl_group
+from colossal_rl.comm.transports import WEIGHT_SYNC_TRANSPORTS, create_group
 from colossal_rl.comm.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     WeightLayout,
@@ -29,14 +31,18 @@ from colossal_rl.comm.weight_sync import (
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "WEIGHT_SYNC_TRANSPORTS",
     "Collective",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "RayNcclGroup",
     "StandaloneGroup",
     "WeightLayout",
     "WeightReceiver",
     "WeightSender",
     "backend_for_device",
+    "create_group",
+    "create_ray_nccl_group",
     "create_standalone_group",
     "default_device",
     "exchange_layout",

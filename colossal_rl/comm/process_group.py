@@ -16,14 +16,15 @@ new one.
 Backends. ``Collective`` is the small interface the weight sync is written against; a
 ``StandaloneGroup`` implements it for both backends, which differ in one constructor call
 (``_make_process_group``) and in how a barrier is spelled. gloo carries CPU tensors; NCCL carries
-CUDA tensors and is chosen whenever the weights live on a GPU (``backend_for_device``). For NCCL we
-use torch's own ``ProcessGroupNCCL`` over the same standalone ``TCPStore`` rather than Ray's cupy
-NCCL collectives (its torch-native equivalent), because it shares everything but those two lines
+CUDA tensors and is chosen whenever the weights live on a GPU (``backend_for_device``). For NCCL the
+default weight-sync transport is torch's own ``ProcessGroupNCCL`` over the same standalone
+``TCPStore``; Ray's cupy NCCL collectives are the opt-in alternative (``ray_nccl_group.py``, chosen
+in ``transports.py``). torch's is the default because it shares everything but those two lines
 with gloo: the same rendezvous (rank 0's store, ``host:port`` handed out through a Ray call), and
 the same per-operation timeout (every broadcast is an asynchronous ``Work`` whose ``wait(timeout)``
 raises instead of hanging, which the bucketed sender also pipelines on; NCCL's watchdog gets the same
-timeout). It needs no named Ray actor for rendezvous (``cupy-cuda12x`` stays in the ``gpu`` extra as
-the chosen stack pins it, but this path does not import it), and it is as independent of the
+timeout). It needs no named Ray actor for rendezvous and no cupy (``cupy-cuda12x``, in the ``gpu``
+extra, serves the Ray transport only), and it is as independent of the
 default process group as Ray's NCCL groups (it is never registered with ``init_process_group``), so
 it lives next to ColossalAI's group in a trainer and next to vLLM's own tensor-parallel group in a
 producer. The NCCL branch is written for GPU machines and has not run on the CPU-only CI.
@@ -76,8 +77,14 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-class PendingCollective:
-    """An asynchronous collective; ``wait()`` blocks at most the group's timeout."""
+class PendingCollective(Protocol):
+    """An asynchronous collective of any ``Collective``; ``wait()`` blocks at most the group's timeout."""
+
+    def wait(self) -> None: ...
+
+
+class PendingWork:
+    """A ``StandaloneGroup``'s asynchronous collective: a torch ``Work`` waited on with the group's timeout."""
 
     def __init__(self, work: dist.Work, group: StandaloneGroup, what: str):
         self._work = work
@@ -141,13 +148,13 @@ class StandaloneGroup:
         """Broadcast ``tensor`` in place from member ``src``, waiting at most the group's timeout."""
         self.broadcast_async(tensor, src).wait()
 
-    def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingCollective:
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingWork:
         """Start a broadcast; keep ``tensor`` untouched until the returned handle's ``wait()``."""
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
         work = self.process_group.broadcast([tensor], options)
-        return PendingCollective(work, self, f"broadcast of {tensor.numel()} x {tensor.dtype} from {src}")
+        return PendingWork(work, self, f"broadcast of {tensor.numel()} x {tensor.dtype} from {src}")
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Replace ``tensor`` in place by its element-wise maximum over all members (with the timeout)."""

@@ -20,8 +20,9 @@ With pipeline parallelism each stage's sender sends its own keys over its own gr
 (``stage_group_name``); producers hold one receiver per stage and ``receive_stages`` receives all
 parts at once and merges them. Nothing here knows about models or Ray.
 
-Every line is shared by the CPU and the GPU path: the group is any ``Collective``, and its backend
-follows the device the weights travel on (``backend_for_device``: gloo for ``cpu``, NCCL for ``cuda``).
+Every line is shared by the CPU and the GPU path and by both transports: the group is any
+``Collective`` (``transports.py``: torch's standalone gloo/NCCL group, or Ray's cupy NCCL group on
+GPUs), and its wire backend follows the device the weights travel on (gloo for ``cpu``, NCCL for ``cuda``).
 """
 
 from __future__ import annotations
@@ -36,14 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_rl.comm.process_group import (
-    Backend,
-    Collective,
-    PendingCollective,
-    backend_for_device,
-    create_standalone_group,
-    device_for_backend,
-)
+from colossal_rl.comm.process_group import Collective, PendingCollective, device_for_backend
+from colossal_rl.comm.transports import create_group
 
 logger = logging.getLogger(__name__)
 
@@ -425,18 +420,27 @@ def host_as_sender(
     world_size: int,
     state_dict: Mapping[str, torch.Tensor],
     timeout_s: float,
-    backend: Backend | None = None,
+    transport: str = "torch",
     name: str = "weight_sync",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     device: torch.device | str = "cpu",
 ) -> WeightSender:
-    """Host the group's store on ``host:port`` as rank 0 and send ``state_dict``'s layout to the receivers.
+    """Form the group at ``host:port`` as rank 0 and send ``state_dict``'s layout to the receivers.
 
-    Every receiver calls ``join_as_receiver`` with the same address at the same time. ``backend``
-    defaults to the one ``device`` needs (NCCL for ``cuda``, gloo otherwise).
+    Every receiver calls ``join_as_receiver`` with the same address and ``transport`` at the same
+    time. ``transport`` (``--weight-sync-backend``) picks the group; the wire backend follows from
+    ``device`` (``transports.py``).
     """
-    backend = backend or backend_for_device(device)
-    group = create_standalone_group(backend, SENDER_RANK, world_size, host, port, timeout_s, name=name)
+    group = create_group(
+        transport,
+        rank=SENDER_RANK,
+        world_size=world_size,
+        host=host,
+        port=port,
+        timeout_s=timeout_s,
+        name=name,
+        device=device,
+    )
     layout = WeightLayout.from_state_dict(state_dict)
     exchange_layout(group, layout, bucket_bytes)
     return WeightSender(group, layout, bucket_bytes, device)
@@ -449,13 +453,14 @@ def join_as_receiver(
     rank: int,
     world_size: int,
     timeout_s: float,
-    backend: Backend | None = None,
+    transport: str = "torch",
     name: str = "weight_sync",
     device: torch.device | str = "cpu",
 ) -> WeightReceiver:
     """Join the group hosted by ``host_as_sender`` as ``rank`` (1 .. world_size - 1) and get the layout."""
-    backend = backend or backend_for_device(device)
-    group = create_standalone_group(backend, rank, world_size, host, port, timeout_s, name=name)
+    group = create_group(
+        transport, rank=rank, world_size=world_size, host=host, port=port, timeout_s=timeout_s, name=name, device=device
+    )
     layout, bucket_bytes = exchange_layout(group, None)
     return WeightReceiver(group, layout, bucket_bytes, device)
 

@@ -111,8 +111,12 @@ def create_backend(
     seed: int = 0,
     vllm_engine: VllmEngineConfig | None = None,
     max_sequence_tokens: int | None = None,
+    trust_remote_code: bool = False,
 ) -> InferenceBackend:
-    """The backend ``name``; ``vllm_engine`` and ``max_sequence_tokens`` (prompt + response) concern vLLM only."""
+    """The backend ``name``; ``vllm_engine`` and ``max_sequence_tokens`` (prompt + response) concern vLLM only.
+
+    ``trust_remote_code`` lets the model's own code (``auto_map`` in its config) load, in either backend.
+    """
     require_backend(name)
     if name == "vllm":
         from colossal_rl.rollout.vllm_backend import VllmBackend
@@ -123,9 +127,10 @@ def create_backend(
             seed=seed,
             engine=vllm_engine or VllmEngineConfig(),
             max_sequence_tokens=max_sequence_tokens,
+            trust_remote_code=trust_remote_code,
         )
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm backend")
     from colossal_rl.rollout.transformers_backend import TransformersBackend
 
-    return TransformersBackend(model_path)
+    return TransformersBackend(model_path, trust_remote_code=trust_remote_code)

@@ -28,7 +28,8 @@ def postprocess_rollout(
     (``batch.rewards`` keeps the verifier's reward); (2) truncated responses leave ``loss_mask``;
     (3) dynamic sampling drops groups whose accuracy over loss-masked-in samples lies outside
     ``algo.filter_range`` (before advantages, so batch-level estimators see only kept groups);
-    (4) ``algo.advantage_estimator`` computes advantages over the samples in ``loss_mask``.
+    (4) ``algo.advantage_estimator`` computes advantages over the samples in ``loss_mask`` (token-weighted
+    estimators weigh each by its response length).
 
     Metrics (floats): ``rollout/reward_mean`` and ``rollout/accuracy`` over samples without infra errors
     (the incoming ``loss_mask``), ``rollout/groups``, ``rollout/groups_filtered``,
@@ -65,5 +66,11 @@ def postprocess_rollout(
         batch = batch.select_groups(kept_groups)
 
     estimate = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
-    advantages = estimate(shaped_rewards, batch.group_size, algo.advantage_eps, valid_mask=batch.loss_mask)
+    advantages = estimate(
+        shaped_rewards,
+        batch.group_size,
+        algo.advantage_eps,
+        valid_mask=batch.loss_mask,
+        response_lengths=batch.response_mask.sum(-1),
+    )
     return batch.with_advantages(advantages), metrics

@@ -69,6 +69,7 @@ class Producer:
             seed=config.run.seed,
             vllm_engine=config.generation.vllm,
             max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
+            trust_remote_code=config.model.trust_remote_code,
         )
         self.tokenizer = self.backend.tokenizer
         self.reward_scorer = reward_scorer

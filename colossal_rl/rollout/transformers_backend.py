@@ -56,9 +56,11 @@ def cut_at_stop_strings(
 class TransformersBackend:
     """Samples with ``model.generate``; behaviour log-probs are log-softmax(raw logits / temperature)."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32):
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=dtype)
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, *, trust_remote_code: bool = False):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, torch_dtype=dtype, trust_remote_code=trust_remote_code
+        )
         self.model.eval()
         self.pad_token_id = self._pad_token_id()
         self.eos_token_ids = self._eos_token_ids()

@@ -52,6 +52,7 @@ def engine_kwargs(
     seed: int,
     max_len: int | None,
     dtype: str = "auto",
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` (vLLM 0.7.3's ``LLM.__init__`` and ``EngineArgs`` fields)."""
     return dict(
@@ -67,6 +68,7 @@ def engine_kwargs(
         enable_chunked_prefill=engine.enable_chunked_prefill,
         max_model_len=max_len,
         enable_prefix_caching=False,  # a cache filled under old weights would survive a weight update
+        trust_remote_code=trust_remote_code,
     )
 
 
@@ -201,6 +203,7 @@ class VllmBackend:
         seed: int = 0,
         engine: VllmEngineConfig | None = None,
         max_sequence_tokens: int | None = None,
+        trust_remote_code: bool = False,
     ):
         if os.environ.setdefault("VLLM_USE_V1", "0") != "0":
             raise RuntimeError("the vLLM backend drives vLLM 0.7's V0 engine; unset VLLM_USE_V1")
@@ -210,8 +213,8 @@ class VllmBackend:
         import vllm
 
         self.version = vllm.__version__
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         vllm_weights.check_architecture(getattr(self.hf_config, "architectures", None))
         generation_eos = _generation_eos_token_id(model_path, self.hf_config)
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.tokenizer, generation_eos)
@@ -227,7 +230,14 @@ class VllmBackend:
             engine.max_model_len, max_sequence_tokens, getattr(self.hf_config, "max_position_embeddings", None)
         )
         self.llm = vllm.LLM(
-            **engine_kwargs(model_path, engine, tensor_parallel_size=tensor_parallel_size, seed=seed, max_len=max_len)
+            **engine_kwargs(
+                model_path,
+                engine,
+                tensor_parallel_size=tensor_parallel_size,
+                seed=seed,
+                max_len=max_len,
+                trust_remote_code=trust_remote_code,
+            )
         )
         logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s, weights via %s)", self.version, model_path,
                     tensor_parallel_size, max_len, self.route)  # fmt: skip

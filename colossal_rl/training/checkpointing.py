@@ -57,20 +57,25 @@ def load_trainer_state(booster, model, optimizer, lr_scheduler, directory: Path,
     return int(rng["step"])
 
 
-def export_hf(state_dict: dict[str, torch.Tensor], model_path: str, out_dir: Path) -> Path:
+def export_hf(
+    state_dict: dict[str, torch.Tensor], model_path: str, out_dir: Path, *, trust_remote_code: bool = False
+) -> Path:
     """A Hugging Face directory (safetensors, config, tokenizer) holding ``state_dict``'s weights.
 
     The model is rebuilt from the original config and filled strictly, so a missing or misnamed
-    tensor fails here rather than in whoever loads the export; dtype is the training precision.
+    tensor fails here rather than in whoever loads the export; dtype is the training precision. A model
+    with its own code (``trust_remote_code``) is exported with that code, so the export loads like the original.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
-    config = AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     dtype = next(iter(state_dict.values())).dtype
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
     model.load_state_dict(state_dict, strict=True)
+    if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        type(model).register_for_auto_class("AutoModelForCausalLM")  # save_pretrained then copies its code
     model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(model_path).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     logger.info("exported a Hugging Face model to %s", out_dir)
     return out_dir

@@ -53,8 +53,11 @@ def policy_objective(
     dp ranks, so the caller must backpropagate ``loss * dp_size`` for the gradient of that sum.
 
     Returns the scalar loss and detached metrics that are means over this micro-batch's loss tokens:
-    ``train/clip_fraction``, ``train/ratio_mean``, ``train/skipped_fraction`` (of samples, when
-    ``skip_threshold`` is set), ``train/kl`` (when ``kl_coeff > 0``) and ``off_policy/*``.
+    ``train/clip_fraction`` (any clip active) and its parts ``train/clip_fraction_low`` /
+    ``train/clip_fraction_high`` / ``train/dual_clip_fraction``, ``train/ratio_mean``, ``train/ppo_kl``
+    (mean of old - new log-probs, verl's ``ppo_kl``), ``train/skipped_fraction`` (of samples, when
+    ``skip_threshold`` is set), ``train/kl`` (when ``kl_coeff > 0``) and ``off_policy/*``; and
+    ``train/ratio_max``, a maximum (names ending in ``_max`` are maxima, not means).
     """
     policy_loss = POLICY_LOSSES.get(algo.policy_loss)
     aggregate = LOSS_AGGREGATIONS.get(algo.loss_aggregation)
@@ -95,6 +98,12 @@ def policy_objective(
         max_response_length=max_response_length,
     )
     metrics["train/clip_fraction"] = masked_mean(output.clipped.float(), mask)
+    metrics["train/clip_fraction_low"] = masked_mean(output.clipped_low.float(), mask)
+    metrics["train/clip_fraction_high"] = masked_mean(output.clipped_high.float(), mask)
+    metrics["train/dual_clip_fraction"] = masked_mean(output.dual_clipped.float(), mask)
     metrics["train/ratio_mean"] = masked_mean(output.ratio, mask)
+    metrics["train/ratio_max"] = torch.where(mask, output.ratio, 0.0).max() if mask.any() else output.ratio.new_zeros(())
+    # verl's ppo_kl: mean over tokens of log pi_old - log pi_new, the k1 estimate of KL(old || new).
+    metrics["train/ppo_kl"] = masked_mean((old_logprobs - new_logprobs).detach(), mask)
     metrics.update(off_policy_metrics(old_logprobs, behaviour_logprobs, mask, algo.truncated_is_cap))
     return loss, metrics

@@ -1,15 +1,28 @@
-"""A consumer rank: trains the policy under a ColossalAI Booster, one optimizer step per call.
+"""A consumer rank: trains the policy under a ColossalAI Booster, one round of optimizer steps per call.
 
-Phase-sized methods: ``setup``, ``train_step`` (forward/backward over micro-batches, then one
-optimizer step), ``stage_state_dict`` (for the weight sync), ``full_state_dict`` (for the export).
-Plain class: no Ray here; the loss math lives in ``colossal_rl/algorithms`` and is reached through
-``training/objective.py``.
+Phase-sized methods: ``setup``, ``train_round`` (the round's optimizer steps, with pi_old), ``train_step``
+(forward/backward over the step's samples, then one optimizer step), ``stage_state_dict`` (for the weight
+sync), ``full_state_dict`` (for the export). Plain class: no Ray here; the loss math lives in
+``colossal_rl/algorithms`` and is reached through ``training/objective.py``.
+
+Devices. A rank trains on one device, ``self.device`` (the accelerator's current device: a GPU, or the CPU
+here). Rollouts arrive on the host; each step moves its samples to the device ``train.minibatch_size``
+prompts at a time (ColossalChat's mini-batch), the reference model lives there in the training precision,
+and every scalar a collective carries is made there (NCCL takes device tensors only).
+
+pi_old. Every optimizer step's ratio is new / old with old = the policy the round's first update started
+from (``algorithm.old_logprobs = recompute``): the first step's samples use their own forward, detached
+(ratio exactly 1, no extra cost); every other step's samples, and every sample in later ``ppo_epochs``,
+get old log-probs from one no-grad forward at the round's starting weights, taken before the first update.
+With ``behaviour`` the producer's sampling log-probs are pi_old.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +32,13 @@ import torch.distributed as dist
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
+from colossal_rl.training.policy_forward import (
+    model_inputs,
+    output_head_returns_hidden,
+    position_ids_from_mask,
+    response_terms,
+)
+from colossal_rl.training.round_plan import epoch_steps
 
 if TYPE_CHECKING:
     from colossalai.booster.plugin import Plugin
@@ -27,19 +47,41 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+__all__ = ["Trainer", "position_ids_from_mask", "training_device", "warmup_then_constant"]
+
 
 def warmup_then_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up over ``warmup_steps`` optimizer steps, then the configured learning rate."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, exactly as ``generate`` numbers them: [N, L]."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+def training_device() -> torch.device:
+    """The device this rank trains on: ColossalAI's accelerator's current device (its GPU, or the CPU)."""
+    from colossalai.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().get_current_device())
+
+
+def _add_metrics(totals: dict[str, float], metrics: dict[str, torch.Tensor], weight: float) -> None:
+    """Accumulate one micro-batch's metrics: names ending in ``_max`` by maximum, the rest weighted by ``weight``."""
+    for name, value in metrics.items():
+        if name.endswith("_max"):
+            totals[name] = max(totals.get(name, float("-inf")), float(value))
+        else:
+            totals[name] = totals.get(name, 0.0) + float(value) * weight
 
 
 class Trainer:
-    def __init__(self, rank: int, world_size: int, config: RLConfig, master_addr: str, master_port: int):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        config: RLConfig,
+        master_addr: str,
+        master_port: int,
+        device: torch.device | str | None = None,
+    ):
+        """``device``: where this rank trains; None takes the accelerator's current device at setup."""
         self.rank = rank
         self.world_size = world_size
         self.config = config
@@ -49,6 +91,7 @@ class Trainer:
         self.step_version = 0
         """Weights version the trainer holds: rounds trained so far (bumped at each push)."""
         self.on_cpu = not torch.cuda.is_available()
+        self.device = None if device is None else torch.device(device)
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
 
     # ------------------------------------------------------------------ setup
@@ -66,10 +109,13 @@ class Trainer:
         under several plugins, in one process group).
         """
         from colossalai.booster import Booster
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
+        from colossal_rl.training.model_loading import load_policy
         from colossal_rl.training.plugins import make_plugin, tensor_parallel_group
 
+        if self.device is None:
+            self.device = training_device()
         torch.manual_seed(self.config.run.seed)
         parallel, train = self.config.parallel, self.config.train
         self.plugin = plugin or make_plugin(
@@ -77,16 +123,20 @@ class Trainer:
         )
         self.booster = Booster(plugin=self.plugin)
         dtype = _DTYPES[parallel.precision]
-        model = AutoModelForCausalLM.from_pretrained(self.config.model.path, torch_dtype=torch.float32)
+        model = load_policy(
+            self.config.model.path,
+            dtype=dtype,
+            device=self.device,
+            attn_implementation=train.attn_implementation,
+            gradient_checkpointing=train.gradient_checkpointing,
+            trust_remote_code=self.config.model.trust_remote_code,
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
         lr_scheduler = warmup_then_constant(optimizer, train.warmup_steps)
         self.model, self.optimizer, _, _, self.lr_scheduler = self.booster.boost(
             model, optimizer, lr_scheduler=lr_scheduler
         )
-        self.reference_model = None
-        if self.config.algorithm.kl_coeff > 0:
-            self.reference_model = AutoModelForCausalLM.from_pretrained(self.config.model.path, torch_dtype=dtype)
-            self.reference_model.eval().requires_grad_(False)
+        self.reference_model = self._build_reference_model(dtype) if self.config.algorithm.kl_coeff > 0 else None
         self.dp_group = self._data_parallel_group()
         self.tp_group = tensor_parallel_group(self.plugin)
         """Set when the policy's logits come vocab-sharded over this group (tensor parallelism)."""
@@ -95,127 +145,261 @@ class Trainer:
         """Set under pipeline parallelism: train steps go through ``booster.execute_pipeline``."""
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
-        tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
+        tokenizer = AutoTokenizer.from_pretrained(
+            self.config.model.path, trust_remote_code=self.config.model.trust_remote_code
+        )
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def _build_reference_model(self, dtype: torch.dtype) -> torch.nn.Module:
+        """The frozen reference policy on this rank's device in the training precision; sharded like the
+        policy (through the booster) under tensor or pipeline parallelism, as ColossalChat does."""
+        from colossal_rl.training.model_loading import load_policy
+
+        parallel = self.config.parallel
+        reference = load_policy(
+            self.config.model.path,
+            dtype=dtype,
+            device=self.device,
+            attn_implementation=self.config.train.attn_implementation,
+            trust_remote_code=self.config.model.trust_remote_code,
+        )
+        reference.eval()
+        if parallel.tp_size > 1 or parallel.pp_size > 1:
+            reference, *_ = self.booster.boost(reference)
+        return reference.requires_grad_(False)
 
     def _data_parallel_group(self):
         pg_mesh = getattr(self.plugin, "dp_group", None)
         return pg_mesh if pg_mesh is not None else dist.group.WORLD
 
-    # ------------------------------------------------------------------ training
-    def _global_sum(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(tensor, group=self.dp_group)
-        return float(tensor.item())
+    # ------------------------------------------------------------------ rounds
+    def train_round(self, steps: list[RolloutBatch], round_index: int) -> list[tuple[dict[str, float], RolloutBatch]]:
+        """Every optimizer step of one round, ``train.ppo_epochs`` passes over ``steps``: (metrics, the samples
+        trained) per optimizer step, in order.
 
-    def _forward(self, model, input_ids, attention_mask) -> torch.Tensor:
-        outputs = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-        )
-        return outputs.logits
-
-    def _response_logits(self, logits, prompt_len, *, vocab_parallel: bool) -> torch.Tensor:
-        """Logits [B, R, V] that predict the response tokens, from logits [B, L, V] over prompt + response.
-
-        ``vocab_parallel``: the logits are the policy's, vocab-sharded under tensor parallelism.
+        Collective: every rank of the consumers calls it with its own share of the round.
         """
+        with self.phases.record("old_logprobs"):
+            steps = self._with_old_logprobs(steps)
+        metrics = []
+        for epoch in range(self.config.train.ppo_epochs):
+            plan = epoch_steps(
+                steps, epoch=epoch, seed=self.config.run.seed, round_index=round_index, pad_token_id=self.pad_token_id
+            )
+            for index, batch in enumerate(plan):
+                step_metrics, new_logprobs = self._train_step(batch)
+                metrics.append((step_metrics | {"train/epoch": float(epoch)}, batch))
+                if epoch == 0 and index == 0 and batch.old_logprobs is None and new_logprobs is not None:
+                    steps[0] = steps[0].with_old_logprobs(new_logprobs)  # pi_old of the later epochs
+        return metrics
+
+    def _with_old_logprobs(self, steps: list[RolloutBatch]) -> list[RolloutBatch]:
+        """The round's steps with pi_old attached wherever the step's own forward cannot provide it."""
+        if self.config.algorithm.old_logprobs == "behaviour":
+            return [batch.with_old_logprobs(batch.behaviour_logprobs) for batch in steps]
+        steps = list(steps)
+        if len(steps) > 1 or self.config.train.ppo_epochs > 1:
+            for index in range(1, len(steps)):  # at the round's starting weights: before any update
+                old = self.logprobs_no_grad(self.model, steps[index])
+                if old is not None:
+                    steps[index] = steps[index].with_old_logprobs(old)
+        return steps
+
+    def logprobs_no_grad(self, model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor | None:
+        """Log-probs [N, R] (on the host) of ``batch``'s responses under ``model``, without gradient.
+
+        None on pipeline stages other than the last (only the last stage sees the outputs).
+        """
+        parts = [self._chunk_logprobs_no_grad(model, chunk.to(self.device)) for chunk in self._chunks(batch)]
+        if any(part is None for part in parts):
+            return None
+        return torch.cat([part.cpu() for part in parts])
+
+    def _chunks(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """The step's samples in pieces of ``train.minibatch_size`` prompts: the unit moved to the device."""
+        return batch.group_chunks(self.config.train.minibatch_size)
+
+    @contextlib.contextmanager
+    def _output_head(self, model: torch.nn.Module) -> Iterator[torch.Tensor | None]:
+        """Yields the output head's weight when log-probs come from hidden states, else None (full logits)."""
+        if self.config.train.logits_from_hidden and self.tp_group is None:
+            with output_head_returns_hidden(model) as weight:
+                yield weight
+        else:
+            yield None
+
+    def _response_terms(
+        self, outputs: torch.Tensor, head_weight: torch.Tensor | None, batch: RolloutBatch, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs, entropy) of ``batch``'s responses from a forward's outputs (logits, or hidden states)."""
         from colossal_rl.training.plugins import gather_vocab_parallel_logits
 
-        if vocab_parallel and self.tp_group is not None:
-            logits = gather_vocab_parallel_logits(logits, self.tp_group, self.vocab_size)
-        return logits[:, prompt_len - 1 : -1]  # logits at t predict token t + 1
+        if head_weight is None and self.tp_group is not None:
+            outputs = gather_vocab_parallel_logits(outputs, self.tp_group, self.vocab_size)
+        return response_terms(
+            outputs,
+            prompt_length=batch.prompt_ids.shape[1],
+            response_ids=batch.response_ids,
+            temperature=self.config.generation.temperature,
+            head_weight=head_weight,
+            with_entropy=with_entropy,
+        )
 
-    def _response_logprobs(self, response_logits, response_ids) -> torch.Tensor:
-        """Log-probabilities [B, R] of the response tokens at the sampling temperature (differentiable)."""
-        from colossal_rl.algorithms import logprobs_from_logits
+    def _chunk_logprobs_no_grad(self, model: torch.nn.Module, chunk: RolloutBatch) -> torch.Tensor | None:
+        """Log-probs [n, R] on the device of one chunk already on the device (None off the last pipeline stage)."""
+        with torch.no_grad(), self._output_head(model) as head_weight:
+            if self.pp_group is not None:
+                return self._pipeline_logprobs_no_grad(model, chunk, head_weight)
+            micro = self.config.train.microbatch_size
+            parts = []
+            for start in range(0, chunk.num_samples, micro):
+                part = chunk.sample_range(start, start + micro)
+                outputs = model(**model_inputs(*part.sequences())).logits
+                parts.append(self._response_terms(outputs, head_weight, part, with_entropy=False)[0])
+            return torch.cat(parts)
 
-        temperature = self.config.generation.temperature
-        return logprobs_from_logits(response_logits, response_ids, temperature=temperature, chunk_size=256)
+    def _pipeline_logprobs_no_grad(
+        self, model: torch.nn.Module, chunk: RolloutBatch, head_weight: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        micro = self._pipeline_microbatch(chunk)
+        starts = iter(range(0, chunk.num_samples, micro))
+        parts: list[torch.Tensor] = []
 
-    def _response_entropy(self, response_logits) -> torch.Tensor:
-        """Policy entropy [B, R] at each response position, at the sampling temperature (a metric: no grad)."""
-        from colossal_rl.algorithms import entropy_from_logits
+        def criterion(outputs, inputs) -> torch.Tensor:
+            start = next(starts)
+            part = chunk.sample_range(start, start + micro)
+            parts.append(self._response_terms(outputs.logits, head_weight, part, with_entropy=False)[0])
+            return parts[-1].new_zeros(())
 
-        with torch.no_grad():
-            temperature = self.config.generation.temperature
-            return entropy_from_logits(response_logits, temperature=temperature, chunk_size=256)
+        inputs = model_inputs(*chunk.sequences())
+        # no_sync: after a pass ColossalAI all-reduces tied weights' gradients unless syncing is off; a
+        # forward-only pass has no gradients to reduce.
+        with model.no_sync():
+            self.booster.execute_pipeline(iter([inputs]), model, criterion, optimizer=None, return_loss=False)
+        return torch.cat(parts) if parts else None
 
-    def _policy_terms(self, logits, prompt_len, response_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities, entropy) [B, R] of the policy's response tokens from its logits over the sequence."""
-        response_logits = self._response_logits(logits, prompt_len, vocab_parallel=True)
-        return self._response_logprobs(response_logits, response_ids), self._response_entropy(response_logits)
+    # ------------------------------------------------------------------ steps
+    def _global_sums(self, values: list[float]) -> list[float]:
+        """Sums over the data-parallel ranks, carried on this rank's device (NCCL takes device tensors only)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=self.dp_group)
+        return tensor.cpu().tolist()
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """Forward/backward over micro-batches of the step's samples, then one optimizer step.
+        """One optimizer step on ``batch``: forward/backward over its samples, then the update.
 
-        Every rank of a data-parallel rank's tensor- and pipeline-parallel group gets the same ``batch``.
+        pi_old is ``batch.old_logprobs`` when set, else this step's own forward (detached): right for the
+        first step of a round. Every rank of a data-parallel rank's tensor- and pipeline-parallel group gets
+        the same ``batch``.
         """
+        return self._train_step(batch)[0]
+
+    def _train_step(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor | None]:
+        """:meth:`train_step`, also returning the step's log-probs before its update [N, R] on the host
+        (None off the last pipeline stage)."""
         started = time.perf_counter()
         self.model.train()
-        counts = (
-            max(self._global_sum(float(batch.trained_token_mask().sum())), 1.0),
-            max(self._global_sum(float(batch.loss_mask.sum())), 1.0),
+        counts = tuple(
+            max(count, 1.0)
+            for count in self._global_sums([float(batch.trained_token_mask().sum()), float(batch.loss_mask.sum())])
         )
+        totals: dict[str, float] = {}
+        new_logprobs: list[torch.Tensor | None] = []
         with self.phases.record("forward_backward"):
-            if self.pp_group is not None:
-                totals = self._pipeline_forward_backward(batch, counts)
-            else:
-                totals = self._forward_backward(batch, counts)
+            for chunk in self._chunks(batch):
+                chunk = chunk.to(self.device, non_blocking=True)
+                ref_logprobs = None
+                if self.reference_model is not None:
+                    ref_logprobs = self._chunk_logprobs_no_grad(self.reference_model, chunk)
+                if self.pp_group is not None:
+                    new_logprobs.append(self._pipeline_forward_backward(chunk, ref_logprobs, counts, batch, totals))
+                else:
+                    new_logprobs.append(self._forward_backward(chunk, ref_logprobs, counts, batch, totals))
+        if self.pp_group is not None:
+            totals = self._from_last_stage(totals)
         with self.phases.record("optimizer_step"):
             grad_norm = self._optimizer_step()
         self.step += 1
-        for summed in ("train/loss", "train/entropy"):  # each rank holds its tokens' share of the step's total
-            totals[summed] = self._global_sum(totals[summed])
+        # Each rank holds its tokens' share of the step's total loss and entropy.
+        totals["train/loss"], totals["train/entropy"] = self._global_sums(
+            [totals["train/loss"], totals["train/entropy"]]
+        )
         totals.update({"train/grad_norm": grad_norm, "time/train_step_s": time.perf_counter() - started})
-        return totals
+        captured = None if any(part is None for part in new_logprobs) else torch.cat([p.cpu() for p in new_logprobs])
+        return totals, captured
 
-    def _forward_backward(self, batch: RolloutBatch, counts: tuple[float, float]) -> dict[str, float]:
-        """Gradients of this rank's share of the step loss, ``train.microbatch_size`` samples at a time."""
-        input_ids, attention_mask = batch.sequences()
-        prompt_len = batch.prompt_ids.shape[1]
+    def _forward_backward(
+        self,
+        chunk: RolloutBatch,
+        ref_logprobs: torch.Tensor | None,
+        counts: tuple[float, float],
+        step_batch: RolloutBatch,
+        totals: dict[str, float],
+    ) -> torch.Tensor:
+        """Gradients of one chunk's share of the step loss, ``train.microbatch_size`` samples at a time.
+
+        Returns the chunk's log-probs before the update [n, R] (detached)."""
         micro = self.config.train.microbatch_size
-        totals: dict[str, float] = {}
-        for start in range(0, batch.num_samples, micro):
-            part = slice(start, start + micro)
-            logits = self._forward(self.model, input_ids[part], attention_mask[part])
-            new_logprobs, entropy = self._policy_terms(logits, prompt_len, batch.response_ids[part])
-            loss = self._micro_batch_loss(new_logprobs, entropy, batch, part, counts, totals)
-            # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
-            self.booster.backward(loss * self.dp_size, self.optimizer)
-        return totals
+        captured = []
+        for start in range(0, chunk.num_samples, micro):
+            part = chunk.sample_range(start, start + micro)
+            with self._output_head(self.model) as head_weight:
+                outputs = self.model(**model_inputs(*part.sequences())).logits
+                new_logprobs, entropy = self._response_terms(outputs, head_weight, part, with_entropy=True)
+                part_ref = None if ref_logprobs is None else ref_logprobs[start : start + micro]
+                loss = self.micro_batch_loss(
+                    new_logprobs, entropy, part, part_ref, counts, step_batch.num_samples, totals
+                )
+                # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
+                self.booster.backward(loss * self.dp_size, self.optimizer)
+            captured.append(new_logprobs.detach())
+        return torch.cat(captured)
 
-    def _pipeline_forward_backward(self, batch: RolloutBatch, counts: tuple[float, float]) -> dict[str, float]:
+    def _pipeline_microbatch(self, chunk: RolloutBatch) -> int:
+        micro = self.plugin.scheduler.microbatch_size  # the plugin keeps it only on its pipeline schedule
+        num_micro = chunk.num_samples // micro
+        if num_micro * micro != chunk.num_samples or num_micro < self.plugin.pp_size:
+            raise ValueError(
+                f"a chunk's {chunk.num_samples} samples must split into at least pp_size = {self.plugin.pp_size} "
+                f"pipeline micro-batches of {micro} (train.microbatch_size // pp_size)"
+            )
+        return micro
+
+    def _pipeline_forward_backward(
+        self,
+        chunk: RolloutBatch,
+        ref_logprobs: torch.Tensor | None,
+        counts: tuple[float, float],
+        step_batch: RolloutBatch,
+        totals: dict[str, float],
+    ) -> torch.Tensor | None:
         """The same gradients through ColossalAI's 1F1B pipeline schedule (pipeline micro-batches).
 
         The schedule slices the inputs into micro-batches of the schedule's ``microbatch_size`` and calls the
         criterion on the last stage once per micro-batch, in order; the criterion picks that
-        micro-batch's response tokens and advantages from ``batch``. The metrics are the last stage's.
+        micro-batch's samples from ``chunk``. Returns the chunk's log-probs (last stage; None elsewhere).
         """
-        micro = self.plugin.scheduler.microbatch_size  # the plugin keeps it only on its pipeline schedule
-        num_micro = batch.num_samples // micro
-        if num_micro * micro != batch.num_samples or num_micro < self.plugin.pp_size:
-            raise ValueError(
-                f"a step's {batch.num_samples} samples must split into at least pp_size = {self.plugin.pp_size} "
-                f"pipeline micro-batches of {micro} (train.microbatch_size // pp_size)"
-            )
-        input_ids, attention_mask = batch.sequences()
-        prompt_len = batch.prompt_ids.shape[1]
-        starts = iter(range(0, batch.num_samples, micro))
-        totals: dict[str, float] = {}
+        micro = self._pipeline_microbatch(chunk)
+        num_micro = chunk.num_samples // micro
+        starts = iter(range(0, chunk.num_samples, micro))
+        captured: list[torch.Tensor] = []
 
-        def criterion(outputs, inputs) -> torch.Tensor:
-            part = slice(start := next(starts), start + micro)
-            new_logprobs, entropy = self._policy_terms(outputs.logits, prompt_len, batch.response_ids[part])
-            loss = self._micro_batch_loss(new_logprobs, entropy, batch, part, counts, totals)
-            return loss * self.dp_size * num_micro  # the schedule divides by the number of micro-batches
+        with self._output_head(self.model) as head_weight:
 
-        inputs = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask),
-        }
-        self.booster.execute_pipeline(iter([inputs]), self.model, criterion, self.optimizer, return_loss=False)
-        return self._from_last_stage(totals)
+            def criterion(outputs, inputs) -> torch.Tensor:
+                start = next(starts)
+                part = chunk.sample_range(start, start + micro)
+                new_logprobs, entropy = self._response_terms(outputs.logits, head_weight, part, with_entropy=True)
+                part_ref = None if ref_logprobs is None else ref_logprobs[start : start + micro]
+                loss = self.micro_batch_loss(
+                    new_logprobs, entropy, part, part_ref, counts, step_batch.num_samples, totals
+                )
+                captured.append(new_logprobs.detach())
+                return loss * self.dp_size * num_micro  # the schedule divides by the number of micro-batches
+
+            inputs = model_inputs(*chunk.sequences())
+            self.booster.execute_pipeline(iter([inputs]), self.model, criterion, self.optimizer, return_loss=False)
+        return torch.cat(captured) if captured else None
 
     def _from_last_stage(self, totals: dict[str, float]) -> dict[str, float]:
         """The last pipeline stage's metrics on every stage (they are computed only there)."""
@@ -224,48 +408,43 @@ class Trainer:
         dist.broadcast_object_list(message, src=last_stage, group=self.pp_group)
         return message[0]
 
-    def _micro_batch_loss(
+    def micro_batch_loss(
         self,
         new_logprobs: torch.Tensor,
         entropy: torch.Tensor,
-        batch: RolloutBatch,
-        part: slice,
+        micro: RolloutBatch,
+        ref_logprobs: torch.Tensor | None,
         counts: tuple[float, float],
+        step_samples: int,
         totals: dict[str, float],
     ) -> torch.Tensor:
-        """The objective of samples ``part`` with the step's global (token, sample) ``counts``; adds metrics.
+        """The objective of the samples ``micro`` with the step's global (token, sample) ``counts``; adds metrics.
 
-        ``train/entropy`` is summed over this part's loss tokens and divided by the step's global token
-        count, so after the sum over data-parallel ranks it is the mean entropy per trained token.
+        pi_old is ``micro.old_logprobs`` when set, else ``new_logprobs`` detached (the step's own forward,
+        before its update). ``train/entropy`` is summed over the micro-batch's loss tokens and divided by
+        the step's global token count, so after the sum over data-parallel ranks it is the mean entropy per
+        trained token. ``step_samples``: samples of this rank's step (weights of the mean metrics).
         """
         from colossal_rl.training.objective import policy_objective
 
-        ref_logprobs = None
-        if self.reference_model is not None:
-            input_ids, attention_mask = batch.sequences()
-            with torch.no_grad():
-                ref_logits = self._forward(self.reference_model, input_ids[part], attention_mask[part])
-                ref_response_logits = self._response_logits(ref_logits, batch.prompt_ids.shape[1], vocab_parallel=False)
-                ref_logprobs = self._response_logprobs(ref_response_logits, batch.response_ids[part])
+        old_logprobs = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
         loss, metrics = policy_objective(
             new_logprobs=new_logprobs,
-            old_logprobs=new_logprobs.detach(),  # one update per batch: the policy before this step
-            behaviour_logprobs=batch.behaviour_logprobs[part],
+            old_logprobs=old_logprobs,
+            behaviour_logprobs=micro.behaviour_logprobs,
             ref_logprobs=ref_logprobs,
-            advantages=batch.advantages[part],
-            response_mask=batch.response_mask[part],
-            loss_mask=batch.loss_mask[part],
+            advantages=micro.advantages,
+            response_mask=micro.response_mask,
+            loss_mask=micro.loss_mask,
             algo=self.config.algorithm,
             global_token_count=counts[0],
             global_sample_count=counts[1],
             max_response_length=self.config.generation.max_new_tokens,
         )
-        weight = new_logprobs.shape[0] / batch.num_samples
         totals["train/loss"] = totals.get("train/loss", 0.0) + float(loss.detach())
-        trained_tokens = batch.trained_token_mask()[part]
+        trained_tokens = micro.trained_token_mask()
         totals["train/entropy"] = totals.get("train/entropy", 0.0) + float((entropy * trained_tokens).sum()) / counts[0]
-        for name, value in metrics.items():
-            totals[name] = totals.get(name, 0.0) + float(value) * weight
+        _add_metrics(totals, metrics, weight=micro.num_samples / step_samples)
         return loss
 
     def _optimizer_step(self) -> float:
@@ -314,7 +493,12 @@ class Trainer:
         )
         full_state = self.full_state_dict()
         if full_state is not None:
-            export_hf(full_state, self.config.model.path, directory / EXPORT_DIR)
+            export_hf(
+                full_state,
+                self.config.model.path,
+                directory / EXPORT_DIR,
+                trust_remote_code=self.config.model.trust_remote_code,
+            )
         dist.barrier()
 
     def load_checkpoint(self, directory: Path, policy_version: int) -> None:

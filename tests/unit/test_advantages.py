@@ -10,10 +10,12 @@ from colossal_rl.algorithms import (
     grpo_advantages,
     reinforce_advantages,
     reinforce_ppb_advantages,
+    reinforce_ppb_sample_advantages,
     rloo_advantages,
 )
 
-GROUP_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_ppb"]
+# Estimators whose every group sums to zero and whose equal-reward groups get exactly zero.
+GROUP_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_ppb_sample"]
 
 
 def test_grpo_hand_computed():
@@ -35,13 +37,104 @@ def test_rloo_hand_computed():
     assert_close(advantages, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
 
 
-def test_reinforce_ppb_hand_computed_divides_by_the_batch_std():
+def test_reinforce_ppb_sample_hand_computed_divides_by_the_batch_std():
     # group-centred [0.5, -0.5, 1, -1]; unbiased batch std = sqrt(2.5 / 3)
     rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
-    advantages = reinforce_ppb_advantages(rewards, group_size=2, eps=0.0)
+    advantages = reinforce_ppb_sample_advantages(rewards, group_size=2, eps=0.0)
     assert_close(advantages, torch.tensor([0.5, -0.5, 1.0, -1.0]) / (2.5 / 3) ** 0.5)
     # whitening makes the result scale-free (ColossalChat's multiply-by-std would scale it by 100)
-    assert_close(reinforce_ppb_advantages(10 * rewards, group_size=2, eps=0.0), advantages)
+    assert_close(reinforce_ppb_sample_advantages(10 * rewards, group_size=2, eps=0.0), advantages)
+
+
+def test_reinforce_ppb_hand_computed_whitens_over_tokens():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    lengths = torch.tensor([1, 3, 2, 2])
+    # group-centred a = [0.5, -0.5, 0, 0]; tokens: one 0.5, three -0.5, four 0 -> 8 tokens
+    # token mean = (0.5 - 1.5) / 8 = -0.125; deviations 0.625 (x1), -0.375 (x3), 0.125 (x4)
+    # sum of squares = 0.390625 + 3 * 0.140625 + 4 * 0.015625 = 0.875; unbiased var = 0.875 / 7 = 0.125
+    # rsqrt(0.125 + 1e-8) = sqrt(8) (to 1e-7 relative)
+    advantages = reinforce_ppb_advantages(rewards, group_size=2, eps=0.0, response_lengths=lengths)
+    assert_close(advantages, torch.tensor([0.625, -0.375, 0.125, 0.125]) * 8**0.5)
+    # the equal-reward group gets 0.125 * sqrt(8) = 0.354 on both samples, not 0: verl re-centres over tokens
+    assert advantages[2] == advantages[3] and advantages[2] > 0.35
+    # without lengths every sample is one token: mean 0, unbiased var = 0.5 / 3, so a * sqrt(6)
+    unweighted = reinforce_ppb_advantages(rewards, group_size=2, eps=0.0)
+    assert_close(unweighted, torch.tensor([0.5, -0.5, 0.0, 0.0]) * 6**0.5)
+    assert_close(reinforce_ppb_advantages(10 * rewards, 2, 0.0, response_lengths=lengths), advantages)
+
+
+def _verl_reinforce_ppb(scores, response_mask, index):
+    """verl's compute_reinforce_plus_plus_baseline_outcome_advantage and masked_whiten, transcribed from their
+    math in float64: group mean (a prompt with one response keeps its score), broadcast over the response
+    tokens, whitened with the masked token mean and the Bessel-corrected masked token variance. [N, T]."""
+    scores, mask = scores.double().clone(), response_mask.double()
+    groups = {}
+    for i, prompt in enumerate(index):
+        groups.setdefault(prompt, []).append(i)
+    for members in groups.values():
+        baseline = scores[members].mean() if len(members) > 1 else 0.0
+        scores[members] = scores[members] - baseline
+    tokens = scores[:, None] * mask
+    count = mask.sum()
+    mean = (tokens * mask).sum() / (count + 1e-8)
+    variance = ((tokens - mean).square() * mask).sum() / (count + 1e-8) * count / (count - 1)
+    return (tokens - mean) * torch.rsqrt(variance + 1e-8) * mask
+
+
+def _random_rollout(seed, groups=6, group_size=4, max_tokens=12):
+    generator = torch.Generator().manual_seed(seed)
+    n = groups * group_size
+    if seed % 2:  # verifier-style 0/1 rewards: some groups have equal rewards
+        rewards = torch.randint(0, 2, (n,), generator=generator).float()
+    else:
+        rewards = torch.randn(n, generator=generator)
+    lengths = torch.randint(1, max_tokens + 1, (n,), generator=generator)
+    mask = (torch.arange(max_tokens)[None, :] < lengths[:, None]).float()  # [N, T]
+    return rewards, lengths, mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reinforce_ppb_equals_verl_token_whitening(seed):
+    rewards, lengths, mask = _random_rollout(seed)
+    index = [i // 4 for i in range(len(rewards))]
+    expected = _verl_reinforce_ppb(rewards, mask, index)
+    advantages = reinforce_ppb_advantages(rewards, 4, 1e-6, response_lengths=lengths)
+    assert_close((advantages[:, None] * mask).double(), expected, atol=1e-6, rtol=0)
+    # the per-sample variant is the old, different formula on unequal lengths
+    assert not torch.allclose(reinforce_ppb_sample_advantages(rewards, 4, 1e-6), advantages, atol=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reinforce_ppb_invalid_samples_are_as_if_removed_from_the_batch(seed):
+    rewards, lengths, mask = _random_rollout(seed)
+    valid = torch.ones(len(rewards), dtype=torch.bool)
+    valid[[1, 6, 7, 13, 22]] = False  # every group keeps at least two valid samples
+    index = [i // 4 for i in range(len(rewards))]
+    kept = valid.nonzero().flatten().tolist()
+    expected = _verl_reinforce_ppb(rewards[kept], mask[kept], [index[i] for i in kept])
+    advantages = reinforce_ppb_advantages(rewards, 4, 1e-6, valid_mask=valid, response_lengths=lengths)
+    assert_close((advantages[kept, None] * mask[kept]).double(), expected, atol=1e-6, rtol=0)
+    assert torch.all(advantages[~valid] == 0)
+    # neither the rewards nor the lengths of invalid samples move anything
+    noisy_rewards = torch.where(valid, rewards, 100.0)
+    noisy_lengths = torch.where(valid, lengths, 1000)
+    noisy = reinforce_ppb_advantages(noisy_rewards, 4, 1e-6, valid_mask=valid, response_lengths=noisy_lengths)
+    assert torch.equal(noisy, advantages)
+
+
+def test_reinforce_ppb_refuses_lengths_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"response_lengths must have shape \[4\]"):
+        reinforce_ppb_advantages(torch.zeros(4), 2, 1e-6, response_lengths=torch.ones(3))
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
+def test_every_estimator_accepts_response_lengths(name):
+    rewards, lengths, _ = _random_rollout(0)
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    weighted = estimator(rewards, 4, 1e-6, response_lengths=lengths)
+    assert weighted.shape == rewards.shape and torch.isfinite(weighted).all()
+    if name != "reinforce_ppb":  # only the token-whitened estimator weighs samples by their length
+        assert torch.equal(weighted, estimator(rewards, 4, 1e-6))
 
 
 def test_reinforce_hand_computed_uses_the_batch_mean():
@@ -78,7 +171,16 @@ def test_zero_variance_group_gets_zero_advantage_not_nan(name, eps):
     assert torch.all(advantages[8:] != 0)
 
 
-@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+def test_reinforce_ppb_zero_variance_groups_share_one_value_not_nan():
+    rewards = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.7, 1.0, 0.0, 1.0, 1.0])
+    lengths = torch.tensor([2, 5, 1, 1, 3, 3, 3, 3, 1, 2, 3, 4])
+    advantages = reinforce_ppb_advantages(rewards, 4, 0.0, response_lengths=lengths)
+    assert torch.isfinite(advantages).all()
+    # both constant groups were centred to 0, then shifted by the same -mean_tok * rstd (verl's re-centring)
+    assert torch.all(advantages[:8] == advantages[0]) and advantages[0] != 0
+
+
+@pytest.mark.parametrize("name", [*GROUP_ESTIMATORS, "reinforce_ppb"])
 def test_all_groups_constant_or_single_valid_sample_gives_zeros(name):
     estimator = ADVANTAGE_ESTIMATORS.get(name)
     assert torch.all(estimator(torch.ones(6), 3, 0.0) == 0)
@@ -123,12 +225,12 @@ def test_vectorised_equals_python_loop(name):
     assert_close(ADVANTAGE_ESTIMATORS.get(name)(rewards, 5, 1e-6, valid_mask=valid), expected)
 
 
-def test_reinforce_ppb_equals_python_loop():
+def test_reinforce_ppb_sample_equals_python_loop():
     generator = torch.Generator().manual_seed(3)
     rewards = torch.rand(24, generator=generator)
     centred = _loop_reference("dr_grpo", rewards.tolist(), 4, 0.0, [True] * 24)
     std = (sum(a**2 for a in centred.tolist()) / 23) ** 0.5
-    assert_close(reinforce_ppb_advantages(rewards, 4, 1e-6), centred / (std + 1e-6))
+    assert_close(reinforce_ppb_sample_advantages(rewards, 4, 1e-6), centred / (std + 1e-6))
 
 
 def test_groups_must_tile_the_batch():

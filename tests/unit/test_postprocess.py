@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from colossal_rl.algorithms import grpo_advantages
+from colossal_rl.algorithms import grpo_advantages, reinforce_ppb_advantages
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import AlgorithmConfig
 from colossal_rl.rollout.postprocess import postprocess_rollout
@@ -78,9 +78,10 @@ def test_dynamic_sampling_drops_groups_with_uniform_accuracy():
     assert processed.num_groups == 2
     assert processed.prompts == ["prompt 1", "prompt 3"] and processed.data_indices == [1, 3]
     assert processed.responses == [f"response {i}" for i in (4, 5, 6, 7, 12, 13, 14, 15)]
-    # batch-level statistics see only the kept groups: group-centred rewards over the batch std
+    # batch-level statistics see only the kept groups: group-centred rewards whitened over their 8 x 3 tokens
+    # (token mean 0; unbiased token variance = 3 * sum(centred^2) / 23 = 3 * 1.75 / 23)
     centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])
-    assert_close(processed.advantages, centred / (centred.square().sum() / 7).sqrt())
+    assert_close(processed.advantages, centred / (3 * 1.75 / 23 + 1e-8) ** 0.5)
     assert metrics["rollout/groups_filtered"] == 2
 
 
@@ -90,3 +91,16 @@ def test_no_surviving_group_gives_none():
     processed, metrics = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
     assert processed is None
     assert metrics["rollout/groups_filtered"] == 2 and metrics["rollout/accuracy"] == 0.5
+
+
+def test_token_weighted_estimator_sees_the_response_lengths():
+    # reinforce_ppb weighs each sample by its response length: 1 and 3 tokens in group 0, 2 and 2 in group 1
+    algo = AlgorithmConfig(advantage_estimator="reinforce_ppb")
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    batch = _batch(rewards, rewards, [1, 3, 2, 2, 4, 8, 5, 6])
+    processed, _ = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
+    lengths = torch.tensor([1, 3, 2, 2, 4, 8, 5, 6])
+    expected = reinforce_ppb_advantages(batch.rewards, GROUP, algo.advantage_eps, response_lengths=lengths)
+    assert_close(processed.advantages, expected)
+    unweighted = reinforce_ppb_advantages(batch.rewards, GROUP, algo.advantage_eps)
+    assert not torch.allclose(processed.advantages, unweighted, atol=1e-3)

@@ -32,7 +32,14 @@ def test_unknown_name_lists_known_names():
 
 
 def test_builtin_registries_hold_the_documented_names():
-    assert ADVANTAGE_ESTIMATORS.names() == ["dr_grpo", "grpo", "reinforce", "reinforce_ppb", "rloo"]
+    assert ADVANTAGE_ESTIMATORS.names() == [
+        "dr_grpo",
+        "grpo",
+        "reinforce",
+        "reinforce_ppb",
+        "reinforce_ppb_sample",
+        "rloo",
+    ]
     assert POLICY_LOSSES.names() == ["clipped", "gspo"]
     assert LOSS_AGGREGATIONS.names() == ["sample_level", "seq_mean_token_sum", "token_level"]
     assert KL_ESTIMATORS.names() == ["k1", "k2", "k3"]

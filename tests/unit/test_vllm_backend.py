@@ -50,6 +50,7 @@ VLLM_073_SAMPLING_FIELDS = {
 VLLM_073_LLM_ARGUMENTS = {
     "model", "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "enforce_eager",
     "distributed_executor_backend", "enable_chunked_prefill", "max_model_len", "enable_prefix_caching",
+    "trust_remote_code",
 }  # fmt: skip
 
 
@@ -176,6 +177,9 @@ def test_engine_arguments_come_from_the_config_and_are_vllm_073_arguments():
     assert (kwargs["tensor_parallel_size"], kwargs["seed"], kwargs["max_model_len"]) == (2, 3, 4096)
     assert kwargs["distributed_executor_backend"] == "mp"  # not Ray's executor inside a Ray actor
     assert kwargs["enable_prefix_caching"] is False  # caches must not outlive a weight update
+    assert kwargs["trust_remote_code"] is False  # the model's own code runs only when asked
+    trusted = engine_kwargs("m", engine, tensor_parallel_size=1, seed=0, max_len=None, trust_remote_code=True)
+    assert trusted["trust_remote_code"] is True
     one_gpu = engine_kwargs("m", VllmEngineConfig(), tensor_parallel_size=1, seed=0, max_len=None)
     assert one_gpu["distributed_executor_backend"] is None
     assert (one_gpu["gpu_memory_utilization"], one_gpu["enforce_eager"], one_gpu["enable_chunked_prefill"]) == (
@@ -316,9 +320,9 @@ def test_create_backend_picks_vllm_when_installed(monkeypatch):
     created = {}
 
     class FakeVllmBackend:
-        def __init__(self, model_path, *, tensor_parallel_size, seed, engine, max_sequence_tokens):
+        def __init__(self, model_path, *, tensor_parallel_size, seed, engine, max_sequence_tokens, trust_remote_code):
             created.update(model_path=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed)
-            created.update(engine=engine, max_sequence_tokens=max_sequence_tokens)
+            created.update(engine=engine, max_sequence_tokens=max_sequence_tokens, trust_remote_code=trust_remote_code)
 
     import colossal_rl.rollout.vllm_backend as vllm_backend
 
@@ -326,7 +330,13 @@ def test_create_backend_picks_vllm_when_installed(monkeypatch):
     monkeypatch.setattr(vllm_backend, "VllmBackend", FakeVllmBackend)
     engine = VllmEngineConfig(gpu_memory_utilization=0.5)
     backend = create_backend(
-        "vllm", "some/model", tensor_parallel_size=2, seed=3, vllm_engine=engine, max_sequence_tokens=100
+        "vllm",
+        "some/model",
+        tensor_parallel_size=2,
+        seed=3,
+        vllm_engine=engine,
+        max_sequence_tokens=100,
+        trust_remote_code=True,
     )
     assert isinstance(backend, FakeVllmBackend)
     assert created == {
@@ -335,6 +345,7 @@ def test_create_backend_picks_vllm_when_installed(monkeypatch):
         "seed": 3,
         "engine": engine,
         "max_sequence_tokens": 100,
+        "trust_remote_code": True,
     }
 
 

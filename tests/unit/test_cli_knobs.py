@@ -1,0 +1,130 @@
+"""Every flag of rl_example.py reaches the config field it names: none is parsed and then dropped.
+
+``FLAG_PROBES`` gives, for every flag, arguments setting it to a non-default value and the config field that
+must change. A new flag without a probe fails ``test_every_flag_has_a_probe``, so its author shows it acts.
+"""
+
+import sys
+from functools import reduce
+from pathlib import Path
+
+import pytest
+
+import colossal_rl.rollout.backend as backend_module
+from colossal_rl.placement import CLUSTER_MASTER_PORT, trainer_master_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
+
+import rl_example  # noqa: E402
+from rl_example import UsageError, build_parser, config_from_args  # noqa: E402
+
+# flag destination -> (arguments setting a non-default value, the config field it must change)
+FLAG_PROBES = {
+    "model": (["-m", "Qwen/Qwen2.5-0.5B"], "model.path"),
+    "trust_remote_code": (["--trust-remote-code"], "model.trust_remote_code"),
+    "checkpoint_path": (["-cp", "runs/x"], "run.checkpoint_path"),
+    "dataset": (["-d", "other.jsonl"], "data.train_path"),
+    "eval_dataset": (["-ed", '{"gsm": "gsm.jsonl"}'], "data.eval_paths"),
+    "project": (["-p", "other"], "run.project"),
+    "num_episodes": (["-e", "2"], "schedule.num_episodes"),
+    "num_trainers": (["-t", "2", "-ibs", "32"], "parallel.num_trainers"),
+    "num_inferencer": (["-i", "2"], "schedule.num_producers"),
+    "num_generations": (["-g", "4"], "generation.num_generations"),
+    "inference_batch_size": (["-ibs", "32"], "schedule.inference_batch_size"),
+    "inference_microbatch_size": (["-imbs", "8"], "generation.microbatch_size"),
+    "train_batch_size": (["-tbs", "8", "-tMbs", "8"], "train.batch_size"),
+    "train_minibatch_size": (["-tMbs", "8"], "train.minibatch_size"),
+    "train_microbatch_size": (["-tmbs", "16"], "train.microbatch_size"),
+    "tensor_parallel_size": (["-tp", "2", "-t", "2"], "parallel.tp_size"),
+    "pipeline_parallel_size": (["-pp", "2", "-t", "2"], "parallel.pp_size"),
+    "zero_stage": (["-zero", "1"], "parallel.zero_stage"),
+    "precision": (["--precision", "bf16"], "parallel.precision"),
+    "ray_dir": (["--ray_dir", "/tmp/ray_x"], "run.ray_dir"),
+    "master_address": (["--master_address", "10.0.0.1"], "run.master_address"),
+    "master_port": (["--master_port", "31000"], "run.master_port"),
+    "backend": (["-b", "vllm"], "generation.backend"),
+    "temperature": (["-temp", "0.7"], "generation.temperature"),
+    "top_k": (["-topk", "5"], "generation.top_k"),
+    "top_p": (["-topp", "0.9"], "generation.top_p"),
+    "system_prompt": (["-s", "Be brief."], "data.system_prompt"),
+    "max_new_tokens": (["-mnt", "32"], "generation.max_new_tokens"),
+    "max_prompt_tokens": (["-mpt", "256"], "data.max_prompt_tokens"),
+    "producer_tensor_parallel_size": (["-b", "vllm", "-ptp", "2"], "generation.tensor_parallel_size"),
+    "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], "generation.vllm.gpu_memory_utilization"),
+    "enforce_eager": (["--no-enforce-eager"], "generation.vllm.enforce_eager"),
+    "enable_chunked_prefill": (["--no-enable-chunked-prefill"], "generation.vllm.enable_chunked_prefill"),
+    "max_model_len": (["--max-model-len", "4096"], "generation.vllm.max_model_len"),
+    "algo": (["-a", "RLOO"], "algorithm.name"),
+    "learning_rate": (["-lr", "1e-5"], "train.learning_rate"),
+    "kl_coeff": (["-kl", "0.01"], "algorithm.kl_coeff"),
+    "old_logprobs": (["--old-logprobs", "behaviour"], "algorithm.old_logprobs"),
+    "ppo_epochs": (["--ppo-epochs", "2"], "train.ppo_epochs"),
+    "grad_checkpoint": (["--grad-checkpoint"], "train.gradient_checkpointing"),
+    "attn_implementation": (["--attn-implementation", "eager"], "train.attn_implementation"),
+    "full_logits": (["--full-logits"], "train.logits_from_hidden"),
+    "reward_type": (["-rt", "think_answer_tags"], "reward.reward_type"),
+    "reward_fn": (["--reward-fn", "my_reward.py:score"], "reward.reward_fn"),
+    "code_verifier_url": (["-cv", "http://localhost:8000"], "reward.code_verifier_url"),
+    "eval_interval": (["-ei", "5"], "run.eval_interval"),
+    "n_behind": (["-nb", "0"], "schedule.n_behind"),
+    "save_interval": (["-si", "10"], "run.save_interval"),
+    "save_limit": (["--save-limit", "1"], "run.save_limit"),
+    "save_dir": (["-sd", "elsewhere"], "run.save_dir"),
+    "eval_save_dir": (["-esd", "evals"], "run.eval_save_dir"),
+    "overwrite_eval_dir": (["--overwrite-eval-dir"], "run.overwrite_eval_dir"),
+    "rollout_save_dir": (["-rsd", "rollouts"], "run.rollout_save_dir"),
+    "log_rollout_interval": (["--log-rollout-interval", "5"], "run.log_rollout_interval"),
+    "warmup_steps": (["--warmup-steps", "3"], "train.warmup_steps"),
+    "enable_profiling": (["--enable_profiling"], "run.enable_profiling"),
+    "max_steps": (["--max-steps", "7"], "schedule.max_steps"),
+    "seed": (["--seed", "3"], "run.seed"),
+    "timeout": (["--timeout", "30"], "run.timeout_s"),
+    "producer_threads": (["--producer-threads", "1"], "run.producer_threads"),
+    "trainer_threads": (["--trainer-threads", "1"], "run.trainer_threads"),
+    "weight_sync_backend": (["--weight-sync-backend", "ray_nccl"], "run.weight_sync_backend"),
+}
+# Flags that act outside the config: --no-wandb is an argument of run_training (main passes it).
+NOT_CONFIG_FLAGS = {"help", "no_wandb"}
+
+
+def config_for(*argv: str):
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def field(config, path: str):
+    return reduce(getattr, path.split("."), config)
+
+
+def test_every_flag_has_a_probe():
+    destinations = {action.dest for action in build_parser()._actions}
+    assert destinations - NOT_CONFIG_FLAGS == set(FLAG_PROBES)
+
+
+@pytest.mark.parametrize("dest", sorted(FLAG_PROBES))
+def test_flag_changes_the_field_it_names(dest, monkeypatch):
+    # -b vllm and --weight-sync-backend ray_nccl are also checked against the installed packages (their own tests)
+    monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
+    monkeypatch.setattr(rl_example, "_check_weight_sync_backend", lambda args: None)
+    argv, path = FLAG_PROBES[dest]
+    assert field(config_for(*argv), path) != field(config_for(), path)
+
+
+def test_master_port_flag_is_validated_and_reaches_the_run_config():
+    assert config_for().run.master_port is None
+    assert config_for("--master_port", "31000").run.master_port == 31000
+    with pytest.raises(UsageError, match=r"^--master_port: must be in 1\.\.65535"):
+        config_for("--master_port", "70000")
+
+
+def test_trainers_meet_on_the_given_port_locally_and_on_a_cluster():
+    def no_free_port() -> int:
+        raise AssertionError("a given port must not be replaced by a free one")
+
+    assert trainer_master_port(31000, joins_cluster=False, free_port=no_free_port) == 31000
+    assert trainer_master_port(31000, joins_cluster=True, free_port=no_free_port) == 31000
+
+
+def test_trainers_meet_on_a_free_port_locally_and_on_29506_on_a_cluster_by_default():
+    assert trainer_master_port(None, joins_cluster=False, free_port=lambda: 40123) == 40123
+    assert trainer_master_port(None, joins_cluster=True, free_port=lambda: 40123) == CLUSTER_MASTER_PORT == 29506
