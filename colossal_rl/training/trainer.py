@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,18 @@ def training_device() -> torch.device:
     from colossalai.accelerator import get_accelerator
 
     return torch.device(get_accelerator().get_current_device())
+
+
+@dataclass(frozen=True)
+class _StepContext:
+    """What every micro-batch of one optimizer step shares."""
+
+    counts: tuple[float, float]
+    """Global (trained token, loss sample) counts of the step over the data-parallel ranks."""
+    step_samples: int
+    """Samples of this rank's step (weights of the mean metrics)."""
+    totals: dict[str, float]
+    """The step's metrics, accumulated by every micro-batch."""
 
 
 def _add_metrics(totals: dict[str, float], metrics: dict[str, torch.Tensor], weight: float) -> None:
@@ -304,6 +317,7 @@ class Trainer:
             for count in self._global_sums([float(batch.trained_token_mask().sum()), float(batch.loss_mask.sum())])
         )
         totals: dict[str, float] = {}
+        context = _StepContext(counts=counts, step_samples=batch.num_samples, totals=totals)
         new_logprobs: list[torch.Tensor | None] = []
         with self.phases.record("forward_backward"):
             for chunk in self._chunks(batch):
@@ -312,9 +326,9 @@ class Trainer:
                 if self.reference_model is not None:
                     ref_logprobs = self._chunk_logprobs_no_grad(self.reference_model, chunk)
                 if self.pp_group is not None:
-                    new_logprobs.append(self._pipeline_forward_backward(chunk, ref_logprobs, counts, batch, totals))
+                    new_logprobs.append(self._pipeline_forward_backward(chunk, ref_logprobs, context))
                 else:
-                    new_logprobs.append(self._forward_backward(chunk, ref_logprobs, counts, batch, totals))
+                    new_logprobs.append(self._forward_backward(chunk, ref_logprobs, context))
         if self.pp_group is not None:
             totals = self._from_last_stage(totals)
         with self.phases.record("optimizer_step"):
@@ -329,12 +343,7 @@ class Trainer:
         return totals, captured
 
     def _forward_backward(
-        self,
-        chunk: RolloutBatch,
-        ref_logprobs: torch.Tensor | None,
-        counts: tuple[float, float],
-        step_batch: RolloutBatch,
-        totals: dict[str, float],
+        self, chunk: RolloutBatch, ref_logprobs: torch.Tensor | None, context: _StepContext
     ) -> torch.Tensor:
         """Gradients of one chunk's share of the step loss, ``train.microbatch_size`` samples at a time.
 
@@ -345,15 +354,30 @@ class Trainer:
             part = chunk.sample_range(start, start + micro)
             with self._output_head(self.model) as head_weight:
                 outputs = self.model(**model_inputs(*part.sequences())).logits
-                new_logprobs, entropy = self._response_terms(outputs, head_weight, part, with_entropy=True)
-                part_ref = None if ref_logprobs is None else ref_logprobs[start : start + micro]
-                loss = self.micro_batch_loss(
-                    new_logprobs, entropy, part, part_ref, counts, step_batch.num_samples, totals
-                )
+                loss, new_logprobs = self._part_loss(outputs, head_weight, chunk, start, micro, ref_logprobs, context)
                 # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
                 self.booster.backward(loss * self.dp_size, self.optimizer)
             captured.append(new_logprobs.detach())
         return torch.cat(captured)
+
+    def _part_loss(
+        self,
+        outputs: torch.Tensor,
+        head_weight: torch.Tensor | None,
+        chunk: RolloutBatch,
+        start: int,
+        size: int,
+        ref_logprobs: torch.Tensor | None,
+        context: _StepContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, log-probs) of samples [start, start + size) of ``chunk`` from their forward's ``outputs``."""
+        part = chunk.sample_range(start, start + size)
+        new_logprobs, entropy = self._response_terms(outputs, head_weight, part, with_entropy=True)
+        part_ref = None if ref_logprobs is None else ref_logprobs[start : start + size]
+        loss = self.micro_batch_loss(
+            new_logprobs, entropy, part, part_ref, context.counts, context.step_samples, context.totals
+        )
+        return loss, new_logprobs
 
     def _pipeline_microbatch(self, chunk: RolloutBatch) -> int:
         micro = self.plugin.scheduler.microbatch_size  # the plugin keeps it only on its pipeline schedule
@@ -366,12 +390,7 @@ class Trainer:
         return micro
 
     def _pipeline_forward_backward(
-        self,
-        chunk: RolloutBatch,
-        ref_logprobs: torch.Tensor | None,
-        counts: tuple[float, float],
-        step_batch: RolloutBatch,
-        totals: dict[str, float],
+        self, chunk: RolloutBatch, ref_logprobs: torch.Tensor | None, context: _StepContext
     ) -> torch.Tensor | None:
         """The same gradients through ColossalAI's 1F1B pipeline schedule (pipeline micro-batches).
 
@@ -387,12 +406,8 @@ class Trainer:
         with self._output_head(self.model) as head_weight:
 
             def criterion(outputs, inputs) -> torch.Tensor:
-                start = next(starts)
-                part = chunk.sample_range(start, start + micro)
-                new_logprobs, entropy = self._response_terms(outputs.logits, head_weight, part, with_entropy=True)
-                part_ref = None if ref_logprobs is None else ref_logprobs[start : start + micro]
-                loss = self.micro_batch_loss(
-                    new_logprobs, entropy, part, part_ref, counts, step_batch.num_samples, totals
+                loss, new_logprobs = self._part_loss(
+                    outputs.logits, head_weight, chunk, next(starts), micro, ref_logprobs, context
                 )
                 captured.append(new_logprobs.detach())
                 return loss * self.dp_size * num_micro  # the schedule divides by the number of micro-batches
