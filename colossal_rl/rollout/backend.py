@@ -103,6 +103,10 @@ def require_backend(name: str) -> None:
         raise ValueError(f"unknown inference backend {name!r}; choose transformers or vllm")
 
 
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""Training precision -> the dtype vLLM holds weights in, so the weights the trainers send are held exactly."""
+
+
 def create_backend(
     name: str,
     model_path: str,
@@ -112,10 +116,14 @@ def create_backend(
     vllm_engine: VllmEngineConfig | None = None,
     max_sequence_tokens: int | None = None,
     trust_remote_code: bool = False,
+    weights_dtype: str = "auto",
 ) -> InferenceBackend:
-    """The backend ``name``; ``vllm_engine`` and ``max_sequence_tokens`` (prompt + response) concern vLLM only.
+    """The backend ``name``; ``vllm_engine``, ``max_sequence_tokens`` (prompt + response) and ``weights_dtype``
+    concern vLLM only.
 
     ``trust_remote_code`` lets the model's own code (``auto_map`` in its config) load, in either backend.
+    ``weights_dtype``: the dtype the engine holds weights in ("float32", "bfloat16", "float16"): the trainers'
+    precision, so synced weights are held exactly ("auto" would run a float32 config in float16).
     """
     require_backend(name)
     if name == "vllm":
@@ -128,6 +136,7 @@ def create_backend(
             engine=vllm_engine or VllmEngineConfig(),
             max_sequence_tokens=max_sequence_tokens,
             trust_remote_code=trust_remote_code,
+            dtype=weights_dtype,
         )
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm backend")

@@ -19,6 +19,7 @@ from colossal_rl.data import EpisodeSchedule, PromptDataset, load_prompt_dataset
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.prompts import system_prompt_for
 from colossal_rl.rollout.backend import (
+    VLLM_DTYPES,
     GenerationOutput,
     SamplingSettings,
     create_backend,
@@ -70,6 +71,7 @@ class Producer:
             vllm_engine=config.generation.vllm,
             max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
             trust_remote_code=config.model.trust_remote_code,
+            weights_dtype=VLLM_DTYPES[config.parallel.precision],
         )
         self.tokenizer = self.backend.tokenizer
         self.reward_scorer = reward_scorer

@@ -204,7 +204,10 @@ class VllmBackend:
         engine: VllmEngineConfig | None = None,
         max_sequence_tokens: int | None = None,
         trust_remote_code: bool = False,
+        dtype: str = "auto",
     ):
+        """``dtype``: vLLM's weight dtype; "auto" takes the model config's, except that vLLM 0.7.3 runs a float32
+        config in float16. Pass the dtype the trainers send to hold their weights exactly."""
         if os.environ.setdefault("VLLM_USE_V1", "0") != "0":
             raise RuntimeError("the vLLM backend drives vLLM 0.7's V0 engine; unset VLLM_USE_V1")
         # Forking a Ray worker (which runs threads) is unsafe; spawned workers import colossal_rl to run
@@ -236,6 +239,7 @@ class VllmBackend:
                 tensor_parallel_size=tensor_parallel_size,
                 seed=seed,
                 max_len=max_len,
+                dtype=dtype,
                 trust_remote_code=trust_remote_code,
             )
         )

@@ -3,6 +3,11 @@ log-probabilities are those of the new weights.
 
 Needs 2 CUDA GPUs and the gpu extra; skipped without CUDA (``tests/conftest.py``). Written for GPU machines;
 not run on the CPU-only CI. The engine lives in the test process, so this file should run after the Ray tests.
+
+The engine runs in float32: with ``dtype="auto"`` vLLM 0.7.3 runs the embedded model's float32 config in float16
+(checked on CPU against the real package: ``vllm.EngineArgs(...).create_model_config().dtype``), and the exact
+weight comparison and the float32 log-prob tolerance below hold only at the trainers' precision. vLLM serves
+float32 with its xformers attention backend (FlashAttention takes fp16/bf16 only).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def tensor_parallel_backend():
         tensor_parallel_size=TENSOR_PARALLEL,
         engine=VllmEngineConfig(gpu_memory_utilization=0.3),
         max_sequence_tokens=256,
+        dtype="float32",  # the precision of perturbed_model(), which the checks compare against
     )
 
 

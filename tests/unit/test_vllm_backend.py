@@ -7,6 +7,8 @@ The fakes below are shaped like vLLM 0.7.3's ``RequestOutput``/``CompletionOutpu
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root
 
 from rl_example import UsageError, build_parser, config_from_args  # noqa: E402
+
+without_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: this checks the behaviour without it"
+)
 
 # Field names of vllm.SamplingParams in vLLM 0.7.3 (vllm/sampling_params.py) that we set.
 VLLM_073_SAMPLING_FIELDS = {
@@ -307,10 +313,12 @@ def test_rebatching_reproduces_the_transformers_backend_layout():
 # --- backend selection -----------------------------------------------------------------------------------------
 
 
+@without_vllm
 def test_vllm_is_not_installed_here():
     assert not backend_module.vllm_installed()
 
 
+@without_vllm
 def test_create_backend_without_vllm_says_what_to_install():
     with pytest.raises(BackendUnavailableError, match=r'pip install -e "\.\[gpu\]"'):
         create_backend("vllm", str(EMBEDDED_MODEL_DIR))
@@ -320,8 +328,10 @@ def test_create_backend_picks_vllm_when_installed(monkeypatch):
     created = {}
 
     class FakeVllmBackend:
-        def __init__(self, model_path, *, tensor_parallel_size, seed, engine, max_sequence_tokens, trust_remote_code):
-            created.update(model_path=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed)
+        def __init__(
+            self, model_path, *, tensor_parallel_size, seed, engine, max_sequence_tokens, trust_remote_code, dtype
+        ):
+            created.update(model_path=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype)
             created.update(engine=engine, max_sequence_tokens=max_sequence_tokens, trust_remote_code=trust_remote_code)
 
     import colossal_rl.rollout.vllm_backend as vllm_backend
@@ -337,6 +347,7 @@ def test_create_backend_picks_vllm_when_installed(monkeypatch):
         vllm_engine=engine,
         max_sequence_tokens=100,
         trust_remote_code=True,
+        weights_dtype="bfloat16",
     )
     assert isinstance(backend, FakeVllmBackend)
     assert created == {
@@ -346,6 +357,7 @@ def test_create_backend_picks_vllm_when_installed(monkeypatch):
         "engine": engine,
         "max_sequence_tokens": 100,
         "trust_remote_code": True,
+        "dtype": "bfloat16",
     }
 
 
@@ -356,8 +368,38 @@ def test_create_backend_refuses_unknown_names_and_tensor_parallel_transformers()
         create_backend("transformers", str(EMBEDDED_MODEL_DIR), tensor_parallel_size=2)
 
 
-def test_vllm_backend_module_imports_without_vllm():
-    assert "vllm" not in sys.modules
+BLOCK_VLLM = """
+import importlib.abc, sys
+
+class BlockVllm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+
+sys.meta_path.insert(0, BlockVllm())
+"""
+
+
+def run_with_vllm_blocked(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter in which importing vLLM fails, whether or not it is installed."""
+    return subprocess.run([sys.executable, "-c", BLOCK_VLLM + code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_vllm_modules_import_without_vllm():
+    result = run_with_vllm_blocked(
+        "import colossal_rl.rollout.backend, colossal_rl.rollout.vllm_backend, colossal_rl.rollout.vllm_weights\n"
+        "import rl_example\n"
+        "assert 'vllm' not in sys.modules\n"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_vllm_blocker_stops_an_import_of_vllm():
+    # The check above can fail: VllmBackend imports vLLM in its constructor, and that import is refused.
+    result = run_with_vllm_blocked("from colossal_rl.rollout.vllm_backend import VllmBackend\nVllmBackend('model')\n")
+    assert result.returncode != 0
+    assert "No module named 'vllm' (blocked by the test)" in result.stderr
 
 
 # --- the command line ------------------------------------------------------------------------------------------
@@ -367,6 +409,7 @@ def parse(*argv: str):
     return config_from_args(build_parser().parse_args(list(argv)))
 
 
+@without_vllm
 def test_cli_vllm_without_vllm_is_one_clear_error():
     with pytest.raises(UsageError) as caught:
         parse("-b", "vllm")
@@ -422,21 +465,23 @@ def test_config_refuses_tensor_parallel_producers_without_vllm():
     GenerationConfig(backend="vllm", tensor_parallel_size=2).validate()
 
 
-def readme_gpu_commands() -> list[list[str]]:
-    """The ``python rl_example.py`` command lines of the README's "Running on GPUs" section."""
-    import shlex
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
+def test_producer_asks_vllm_for_the_training_precision(monkeypatch, precision, dtype):
+    """vLLM's "auto" would run a float32 config in float16: producers must hold what trainers send."""
+    import dataclasses
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.split("## Running on GPUs", 1)[1].split("\n## ", 1)[0]
-    joined = section.replace("\\\n", " ")
-    return [shlex.split(line)[2:] for line in joined.splitlines() if line.startswith("python rl_example.py")]
+    import colossal_rl.rollout.producer as producer_module
+    from colossal_rl.config import RLConfig
 
+    class Created(Exception):
+        pass
 
-def test_readme_gpu_command_lines_are_valid_runs(monkeypatch):
-    monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
-    commands = readme_gpu_commands()
-    assert len(commands) == 2
-    single, multi = (parse(*argv) for argv in commands)
-    assert (single.generation.backend, single.algorithm.name, single.parallel.num_trainers) == ("vllm", "DAPO", 4)
-    assert single.data.system_prompt.endswith(r"within \boxed{}.")
-    assert (multi.generation.tensor_parallel_size, multi.run.master_address) == (2, "<head-ip>")
+    def fake_create_backend(*args, **kwargs):
+        raise Created(kwargs)
+
+    monkeypatch.setattr(producer_module, "create_backend", fake_create_backend)
+    config = RLConfig()
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, precision=precision))
+    with pytest.raises(Created) as created:
+        producer_module.Producer(0, config, reward_scorer=None)
+    assert created.value.args[0]["weights_dtype"] == dtype

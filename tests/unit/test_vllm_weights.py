@@ -7,6 +7,8 @@ which parameters those models hold: fused ``qkv_proj`` (bias in Qwen2 only) and 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -181,6 +183,7 @@ def test_parse_version():
     assert parse_version("dev") == ()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: this checks its absence")
 def test_installed_version_is_none_without_vllm():
     assert installed_vllm_version() is None
 
