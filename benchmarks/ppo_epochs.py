@@ -27,11 +27,11 @@ CONFIGURATIONS = {
     "1 step/round": ["-a", "DAPO", "-ibs", "16", "-tbs", "16", "-tMbs", "16"],
     "4 steps x 2 epochs": ["-a", "DAPO", "-ibs", "16", "-tbs", "4", "-tMbs", "4", "--ppo-epochs", "2"],
     # A 4x smaller batch per update with the learning rate scaled down alike.
-    "4 steps x 2 epochs, lr/4": [
+    "4 steps x 2 epochs lr/4": [
         *("-a", "DAPO", "-ibs", "16", "-tbs", "4", "-tMbs", "4", "--ppo-epochs", "2", "-lr", "5e-5"),
     ],
 }
-STEPS_PER_ROUND = {"1 step/round": 1, "4 steps x 2 epochs": 8, "4 steps x 2 epochs, lr/4": 8}
+STEPS_PER_ROUND = {"1 step/round": 1, "4 steps x 2 epochs": 8, "4 steps x 2 epochs lr/4": 8}
 
 
 def run_child(flags: list[str]) -> dict:
