@@ -71,7 +71,10 @@ def export_hf(
     out_dir = Path(out_dir)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     dtype = next(iter(state_dict.values())).dtype
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+    # Building the model draws throw-away initial weights from the global RNG. The trainer's random stream must
+    # not move: a run resumed from this checkpoint restores the stream saved before the export (dropout masks).
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
     model.load_state_dict(state_dict, strict=True)
     if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         type(model).register_for_auto_class("AutoModelForCausalLM")  # save_pretrained then copies its code

@@ -102,7 +102,9 @@ def policy_objective(
     metrics["train/clip_fraction_high"] = masked_mean(output.clipped_high.float(), mask)
     metrics["train/dual_clip_fraction"] = masked_mean(output.dual_clipped.float(), mask)
     metrics["train/ratio_mean"] = masked_mean(output.ratio, mask)
-    metrics["train/ratio_max"] = torch.where(mask, output.ratio, 0.0).max() if mask.any() else output.ratio.new_zeros(())
+    metrics["train/ratio_max"] = (
+        torch.where(mask, output.ratio, 0.0).max() if mask.any() else output.ratio.new_zeros(())
+    )
     # verl's ppo_kl: mean over tokens of log pi_old - log pi_new, the k1 estimate of KL(old || new).
     metrics["train/ppo_kl"] = masked_mean((old_logprobs - new_logprobs).detach(), mask)
     metrics.update(off_policy_metrics(old_logprobs, behaviour_logprobs, mask, algo.truncated_is_cap))

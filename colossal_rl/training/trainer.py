@@ -192,6 +192,7 @@ class Trainer:
 
         Collective: every rank of the consumers calls it with its own share of the round.
         """
+        self.model.train()  # pi_old's forward in the mode of the training forwards (dropout, if any)
         with self.phases.record("old_logprobs"):
             steps = self._with_old_logprobs(steps)
         metrics = []

@@ -6,7 +6,13 @@ step on a fixed batch) and one producer process. Checked: exactly one sender per
 ``stage_senders`` accepts the assignment; the producer, holding one receiver per stage group and
 calling ``receive_stages`` as the producer actor does, gets every weight of the model at full shape
 (tensor-parallel shards gathered, vocabulary padding stripped), bit-identical to what global rank 0
-gathers for the HF export. Every process is joined with a deadline.
+gathers for the HF export. Both come out of the same gather code, so the producer process also trains an
+independent reference — the same model, batch and step in one process without any parallelism
+(``TorchDDPPlugin``, world size 1) — and the synced weights and the loss must match it. Tolerances as in
+``test_plugin_layouts.py`` for fp32 with TP or PP: only the summation order differs, so the loss within 5e-5,
+each weight within what one Adam step can drift apart (2 * lr: a sign flip), and the difference in L2 norm
+at most 2e-3 of the reference's own update (observed there: 4e-5 under TP, 5e-4 under PP; here 1.4e-4, and
+the loss off by 7e-9). Every process is joined with a deadline.
 """
 
 from __future__ import annotations
@@ -28,13 +34,15 @@ DEADLINE_S = 240.0  # five processes importing ColossalAI on two cores
 SYNC_TIMEOUT_S = 120.0
 VERSION = 1
 STAGES = 2
+LEARNING_RATE = 1e-3
+ADAM_DRIFT = 2 * LEARNING_RATE + 1e-6  # Adam's first step moves each weight by +-lr; plus fp32 rounding of weights
 
 
-def _config() -> RLConfig:
+def _config(parallel: ParallelConfig | None = None) -> RLConfig:
     return RLConfig(
         algorithm=AlgorithmConfig(kl_coeff=0.1),
-        train=TrainConfig(learning_rate=1e-3, microbatch_size=4, max_norm=1.0),
-        parallel=ParallelConfig(num_trainers=CONSUMERS, tp_size=2, pp_size=STAGES),
+        train=TrainConfig(learning_rate=LEARNING_RATE, microbatch_size=4, max_norm=1.0),
+        parallel=parallel or ParallelConfig(num_trainers=CONSUMERS, tp_size=2, pp_size=STAGES),
     )
 
 
@@ -91,10 +99,26 @@ def _consumer(rank: int, port: int, stage_ports: list[int], out_dir: Path) -> No
     torch.save(report, out_dir / f"consumer{rank}.pt")
 
 
-def _producer(stage_ports: list[int], out_dir: Path) -> None:
+def _reference(port: int, out_dir: Path) -> None:
+    """The same step in this one process, without parallelism: the weights the sync should deliver."""
+    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.trainer import Trainer
+
+    launch_colossalai(0, 1, HOST, port, on_cpu=True)
+    trainer = Trainer(0, 1, _config(ParallelConfig(num_trainers=1)), HOST, port)
+    trainer.build()
+    initial = {name: t.detach().clone() for name, t in trainer.full_state_dict().items()}
+    metrics = trainer.train_step(_batch(trainer.vocab_size, trainer.pad_token_id))
+    final = {name: t.detach().clone() for name, t in trainer.full_state_dict().items()}
+    report = {"plugin": type(trainer.plugin).__name__, "loss": metrics["train/loss"], "initial": initial}
+    torch.save(report | {"final": final}, out_dir / "reference.pt")
+
+
+def _producer(reference_port: int, stage_ports: list[int], out_dir: Path) -> None:
     torch.set_num_threads(1)
     from colossal_rl.comm.weight_sync import join_as_receiver, receive_stages, stage_group_name
 
+    _reference(reference_port, out_dir)  # the senders wait for the receivers meanwhile
     receivers = [
         join_as_receiver(
             host=HOST, port=port, rank=1, world_size=2, timeout_s=SYNC_TIMEOUT_S, name=stage_group_name(stage)
@@ -107,23 +131,32 @@ def _producer(stage_ports: list[int], out_dir: Path) -> None:
 
 def _run(out_dir: Path) -> None:
     ports: set[int] = set()
-    while len(ports) < 1 + STAGES:
+    while len(ports) < 2 + STAGES:
         ports.add(find_free_port())
-    consumer_port, *stage_ports = sorted(ports)
+    consumer_port, reference_port, *stage_ports = sorted(ports)
     bodies = {f"consumer{rank}": (_consumer, (rank, consumer_port, stage_ports, out_dir)) for rank in range(CONSUMERS)}
-    bodies["producer"] = (_producer, (stage_ports, out_dir))
+    bodies["producer"] = (_producer, (reference_port, stage_ports, out_dir))
     run_spawned(out_dir, bodies, DEADLINE_S)
 
 
-def test_tp2_pp2_stage_senders_sync_the_full_model(tmp_path):
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out_dir = tmp_path_factory.mktemp("stage_sync_tp_pp")
+    _run(out_dir)
+    return {
+        "reports": [torch.load(out_dir / f"consumer{rank}.pt") for rank in range(CONSUMERS)],
+        "received": torch.load(out_dir / "producer.pt"),
+        "reference": torch.load(out_dir / "reference.pt"),
+    }
+
+
+def test_tp2_pp2_stage_senders_sync_the_full_model(results):
     from transformers import AutoConfig
 
     from colossal_rl.comm.weight_sync import stage_senders
     from colossal_rl.config import EMBEDDED_MODEL_DIR
 
-    _run(tmp_path)
-    reports = [torch.load(tmp_path / f"consumer{rank}.pt") for rank in range(CONSUMERS)]
-    received = torch.load(tmp_path / "producer.pt")
+    reports, received = results["reports"], results["received"]
 
     stages = [report["sync_stage"] for report in reports]
     senders = stage_senders(stages)  # one per stage, none missing
@@ -144,3 +177,21 @@ def test_tp2_pp2_stage_senders_sync_the_full_model(tmp_path):
     assert tuple(embedding.shape) == (config.vocab_size, config.hidden_size)  # TP shards gathered, padding stripped
     layers = {name.split(".")[2] for name in got if name.startswith("model.layers.")}
     assert len(layers) == config.num_hidden_layers
+
+
+def test_synced_weights_match_a_single_process_reference(results):
+    reference, got = results["reference"], results["received"]["state_dict"]
+    assert reference["plugin"] == "TorchDDPPlugin"
+    assert all(report["loss"] == pytest.approx(reference["loss"], abs=5e-5) for report in results["reports"])
+    expected, initial = reference["final"], reference["initial"]
+    assert set(got) == set(expected), f"keys differ: {set(got) ^ set(expected)}"
+    squared_difference = squared_update = 0.0
+    for name, tensor in expected.items():
+        assert got[name].shape == tensor.shape and got[name].dtype == tensor.dtype, name
+        difference = (got[name].double() - tensor.double()).abs()
+        assert float(difference.max()) <= ADAM_DRIFT, f"{name}: off by {float(difference.max()):.3g}"
+        squared_difference += float(difference.square().sum())
+        squared_update += float((tensor.double() - initial[name].double()).square().sum())
+    assert squared_update > 0, "the reference step changed nothing"
+    relative = (squared_difference / squared_update) ** 0.5
+    assert relative <= 2e-3, f"synced weights off by {relative:.3g} of the reference's update"

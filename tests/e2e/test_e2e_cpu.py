@@ -17,6 +17,9 @@ from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, RunCo
 from colossal_rl.metrics import MetricsLogger, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
+LEARNS_MIN_GAIN = 0.2
+"""Eval accuracy points the 6-step CLI run must gain. Measured with this command and --seed 0..4 (2 shared
+cores): 0.215 -> 0.500 / 0.715 / 0.640 / 0.565 / 0.585, gains 0.285-0.5; the test runs seed 0 (deterministic)."""
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -124,7 +127,8 @@ def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 4, 6]
-    assert evals[-1]["eval/math_accuracy"] > evals[0]["eval/math_accuracy"]
+    start, end = evals[0]["eval/math_accuracy"], evals[-1]["eval/math_accuracy"]
+    assert end >= start + LEARNS_MIN_GAIN, f"eval accuracy {start} -> {end}"
     assert all(math.isfinite(r["train/loss"]) for r in records if r["kind"] == "train")
     deadline = time.monotonic() + 15  # worker processes exit asynchronously after ray.shutdown()
     while (leftover := _ray_worker_pids() - before) and time.monotonic() < deadline:

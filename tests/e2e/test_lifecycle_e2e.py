@@ -4,7 +4,9 @@ rollout files, and a producer killed mid-run ending the run (bounded time, messa
 Determinism makes the resume check exact: rows per round are a pure function of (seed, round,
 producer), sampling is reseeded per (round, producer), trainers run fp32 on CPU with fixed thread
 counts, and the checkpoint carries the rollouts generated but not yet trained. Floats are compared
-with a relative tolerance of 1e-6 (observed: bit-identical).
+with a relative tolerance of 1e-6 (observed: bit-identical). The resumed steps depend on the restored LR
+scheduler and trainer RNG: the runs warm the learning rate up over more steps than they train, and the
+resume runs use a copy of the embedded model with attention dropout (``dropout_model``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +29,7 @@ from colossal_rl.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 KILL_AFTER_CHECKPOINT = 4
+WARMUP_STEPS = 8  # > STEPS: every step trains at its own learning rate
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -47,6 +51,8 @@ def command(save_dir: Path, *extra: str) -> list[str]:
         "3",
         "--timeout",
         "120",
+        "--warmup-steps",
+        str(WARMUP_STEPS),
         "-sd",
         str(save_dir),
         *extra,
@@ -67,19 +73,35 @@ def compared(record: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
+def dropout_model(tmp_path_factory) -> str:
+    """The embedded model with attention dropout 0.1: trainer-side random draws a resume must reproduce."""
+    model_dir = tmp_path_factory.mktemp("dropout_model") / "tiny_qwen2"
+    shutil.copytree(REPO / "colossal_rl" / "assets" / "tiny_qwen2", model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.1}))
+    return str(model_dir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, dropout_model) -> Path:
     save_dir = tmp_path_factory.mktemp("uninterrupted")
     # Profiling only records timings: the resumed run (without it) must still match this one exactly.
     done = subprocess.run(
-        command(save_dir, "--enable_profiling"), cwd=REPO, capture_output=True, text=True, timeout=600
+        command(save_dir, "--enable_profiling", "-m", dropout_model),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir_in(save_dir)
 
 
-def kill_driver_after_checkpoint(save_dir: Path, step: int) -> Path:
+def kill_driver_after_checkpoint(save_dir: Path, step: int, model: str) -> Path:
     """Start a run, ``kill -9`` its driver as soon as the checkpoint of ``step`` is committed."""
-    driver = subprocess.Popen(command(save_dir), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        command(save_dir, "-m", model), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 400
     try:
         while time.monotonic() < deadline:
@@ -96,12 +118,16 @@ def kill_driver_after_checkpoint(save_dir: Path, step: int) -> Path:
             driver.kill()
 
 
-def test_resume_after_kill_9_matches_the_uninterrupted_run(uninterrupted, tmp_path):
-    checkpoint = kill_driver_after_checkpoint(tmp_path / "killed", KILL_AFTER_CHECKPOINT)
+def test_resume_after_kill_9_matches_the_uninterrupted_run(uninterrupted, dropout_model, tmp_path):
+    checkpoint = kill_driver_after_checkpoint(tmp_path / "killed", KILL_AFTER_CHECKPOINT, dropout_model)
     killed_run = checkpoint.parents[1]
     resumed_dir = tmp_path / "resumed"
     done = subprocess.run(
-        command(resumed_dir, "-cp", str(checkpoint)), cwd=REPO, capture_output=True, text=True, timeout=600
+        command(resumed_dir, "-cp", str(checkpoint), "-m", dropout_model),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr
@@ -206,13 +232,11 @@ def test_killing_a_producer_mid_run_ends_the_run_naming_it(tmp_path):
         time.sleep(0.2)
     assert producer_pid is not None, "the run never started training"
     os.kill(producer_pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    try:
+    try:  # a hang guard (--timeout is 60 s), not a speed target
         returncode = driver.wait(timeout=120)
     except subprocess.TimeoutExpired:
         driver.kill()
         raise AssertionError("the run hung after its producer was killed") from None
     reader.join(timeout=10)
     assert returncode == 2
-    assert time.monotonic() - killed_at < 120
     assert re.search(r"ERROR .*producer 0 \(\w+\) (failed|died)", "".join(lines)), "".join(lines)[-3000:]

@@ -1,7 +1,16 @@
-"""Every --algo preset trains a few steps end to end on the embedded model (one Ray session for all)."""
+"""Every --algo preset trains end to end on the embedded model (one Ray session for all), and trains as itself.
+
+Each run has two optimizer steps per round (8 prompts sampled, 4 per step), so the second step of every
+round trains with pi_old = the round's starting policy and a ratio != 1: that is where the presets' losses
+differ (at ratio 1 GRPO's and GSPO's losses and gradients coincide). Checked: every preset trains at least
+the steps it asks for — DAPO included, whose dynamic sampling may leave a round short of a step, so its
+run continues round by round up to ``MAX_ROUNDS`` — with finite losses, and no two presets train
+bit-identically.
+"""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -12,39 +21,83 @@ from colossal_rl.presets import PRESETS, algorithm_preset
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
+ROUNDS = 2
+STEPS_PER_ROUND = 2
+REQUESTED_STEPS = ROUNDS * STEPS_PER_ROUND
+MAX_ROUNDS = 4
+"""Rounds a preset may take to reach ``REQUESTED_STEPS`` (DAPO drops groups whose samples all agree)."""
+COMPARED = ("train/loss", "train/grad_norm", "train/entropy", "train/reward")
 
-def test_every_preset_runs_end_to_end(tmp_path):
-    import ray
 
+def preset_config(name: str, save_dir: str) -> RLConfig:
+    config = RLConfig(
+        generation=GenerationConfig(num_generations=4, microbatch_size=8, max_new_tokens=16),
+        algorithm=algorithm_preset(name, kl_coeff=0.01, max_new_tokens=16, n_behind=1),
+        train=TrainConfig(batch_size=4, minibatch_size=4, microbatch_size=16),
+        schedule=ScheduleConfig(num_producers=1, inference_batch_size=8, n_behind=1),
+        run=RunConfig(project=name, save_dir=save_dir, eval_interval=0, timeout_s=120),
+    ).validate()
+    assert config.optimizer_steps_per_round == STEPS_PER_ROUND
+    return config
+
+
+def train_preset(config: RLConfig) -> list[dict]:
+    """Rounds until ``REQUESTED_STEPS`` optimizer steps are trained (at most ``MAX_ROUNDS``); the train records."""
     from colossal_rl.launch import Driver, init_ray, make_run_dir
 
-    generation = GenerationConfig(num_generations=4, microbatch_size=8, max_new_tokens=16)
+    init_ray(config)
+    run_dir = make_run_dir(config)
+    metrics = MetricsLogger(run_dir, config.run.project, {}, use_wandb=False)
+    driver = Driver(config, run_dir, metrics)
+    try:
+        driver.start()
+        rounds = ROUNDS
+        driver.run(rounds=rounds)
+        while driver.step < REQUESTED_STEPS and rounds < MAX_ROUNDS:
+            rounds += 1
+            driver.run(rounds=rounds)
+    finally:
+        driver.shutdown()
+        metrics.close()
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, list[dict]]:
+    import ray
+
     names = sorted(PRESETS.names())
     assert set(names) == {"GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO"}
+    save_dir = str(tmp_path_factory.mktemp("presets"))
     try:
-        for name in names:
-            config = RLConfig(
-                generation=generation,
-                algorithm=algorithm_preset(name, kl_coeff=0.01, max_new_tokens=16, n_behind=1),
-                train=TrainConfig(batch_size=8, minibatch_size=8, microbatch_size=32),
-                schedule=ScheduleConfig(num_producers=1, inference_batch_size=8, n_behind=1, max_steps=2),
-                run=RunConfig(project=name, save_dir=str(tmp_path), eval_interval=0, timeout_s=120),
-            ).validate()
-            init_ray(config)
-            run_dir = make_run_dir(config)
-            metrics = MetricsLogger(run_dir, name, {}, use_wandb=False)
-            driver = Driver(config, run_dir, metrics)
-            try:
-                driver.start()
-                driver.run(rounds=2)
-            finally:
-                driver.shutdown()
-                metrics.close()
-            train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-            # DAPO may filter every group of a round (all right or all wrong): then fewer steps run.
-            assert len(train) >= (0 if name == "DAPO" else 2), name
-            assert all(math.isfinite(r["train/loss"]) for r in train), name
-            if config.algorithm.kl_coeff > 0 and train:
-                assert all(math.isfinite(r["train/kl"]) for r in train), name
+        return {name: train_preset(preset_config(name, save_dir)) for name in names}
     finally:
         ray.shutdown()
+
+
+def test_every_preset_trains_its_requested_steps(trained):
+    for name, train in trained.items():
+        assert len(train) >= REQUESTED_STEPS, f"{name} trained {len(train)} of {REQUESTED_STEPS} steps"
+        assert all(math.isfinite(r["train/loss"]) for r in train), name
+        if preset_config(name, "unused").algorithm.kl_coeff > 0:  # DAPO drops the KL term
+            assert all(math.isfinite(r["train/kl"]) for r in train), name
+
+
+def test_no_two_presets_train_identically(trained):
+    curves = {name: [tuple(r[key] for key in COMPARED) for r in train] for name, train in trained.items()}
+    for (name, curve), (other, other_curve) in itertools.combinations(curves.items(), 2):
+        assert curve != other_curve, f"{name} and {other} trained bit-identically"
+    # GRPO and GSPO share advantages and aggregation: only the ratio != 1 steps (pi_old recomputed) tell them apart.
+    later_steps = slice(1, REQUESTED_STEPS, STEPS_PER_ROUND)
+    assert curves["GRPO"][later_steps] != curves["GSPO"][later_steps]
+
+
+@pytest.mark.skip(reason="to enable with the trainer-step change (a real pi_old on every step of a round)")
+def test_gspo_sequence_clip_acts(trained):
+    """GSPO clips whole sequences at 1 -3e-4/+4e-4: off-policy steps must show clipping.
+
+    The place for ``train/clip_fraction > 0`` (and ``train/ratio_mean != 1``) assertions, left skipped while
+    the trainer step is being rewritten. Measured before that change: the later step of each round (pi_old
+    recomputed) had GSPO clip fractions 0.94 and 0.44, the first steps 0 (ratio exactly 1).
+    """
+    assert any(r["train/clip_fraction"] > 0 for r in trained["GSPO"])

@@ -6,7 +6,6 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -196,12 +195,10 @@ def test_help_and_import_pull_in_no_distributed_stack():
 
 
 def run_main_expecting_input_error(argv, caplog, capsys) -> str:
-    started = time.monotonic()
+    """How long an input error takes to report is measured in benchmarks/bounded_waits.py."""
     with caplog.at_level(logging.INFO):
         code = main(argv)
-    elapsed = time.monotonic() - started
     assert code == 2
-    assert elapsed < 10, f"input error took {elapsed:.1f}s"
     errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
     assert len(errors) == 1, [record.getMessage() for record in errors]
     assert errors[0].exc_info is None

@@ -1,24 +1,29 @@
-"""Hostile programs: each scores 0 within its bound, leaves no process behind, and the next program still scores.
+"""Hostile programs: each scores 0 (killed at its timeout if it runs on), leaves no process behind, and the next
+program still scores.
 
 Expected outputs are unique tokens, so a program that escaped the sandbox (found the test data,
-wrote outside its /tmp, reached the network) would print the token and be caught scoring 1.
+wrote outside its /tmp, reached the network, saw a host file) would print exactly the token and be caught
+scoring 1. How long a killed program takes to score is measured in ``benchmarks/bounded_waits.py``, not here.
 """
 
 import os
 import socket
 import textwrap
-import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
 
 from colossal_rl.reward import build_reward_scorer
+from colossal_rl.reward.sandbox import ProgramFiles, Sandbox, SandboxConfig
 
 TIMEOUT_S = 2.0
-BOUND_S = TIMEOUT_S + 3.0  # a killed program's score must arrive within this
 UID_BASE, UID_COUNT = 62000, 4
 TOKEN = f"token-{uuid.uuid4().hex}"
+CHECKOUT = Path(__file__).resolve().parents[2]
+HOST_PATHS = ("/etc/passwd", "/etc/shadow", "/etc/hostname", "/root", "/home", "/var", str(CHECKOUT))
+"""Host paths a program must not see: the host's /etc, home directories and this checkout."""
 
 
 def fenced(code: str) -> str:
@@ -137,21 +142,20 @@ HOSTILE = {
         connection = socket.create_connection(("127.0.0.1", {port}), timeout=1)
         print("{token}")
     """,
+    # Prints exactly the token when a host path is visible or a file holding the token (the test data) is
+    # readable, else exactly "nothing": its output equals the expected one if and only if the host leaks in.
     "read_host_files": """
         import os
-        found = [p for p in ("/etc/passwd", "/etc/shadow", "/root", "/home", "/work", "/var") if os.path.exists(p)]
+        leaked = any(os.path.exists(p) for p in {host_paths!r})
         for root, dirs, files in os.walk("/"):
             dirs[:] = [d for d in dirs if os.path.join(root, d) not in ("/proc", "/sys", "/dev", "/usr")]
             for name in files:
                 try:
                     with open(os.path.join(root, name), "rb") as handle:
-                        if b"{token}" in handle.read(1 << 20):
-                            print("{token}")
+                        leaked = leaked or b"{token}" in handle.read(1 << 20)
                 except OSError:
                     pass
-        if found:
-            print("{token}")
-        print("nothing")
+        print("{token}" if leaked else "nothing")
     """,
     "write_outside_tmp": """
         import os
@@ -185,18 +189,29 @@ HOSTILE = {
 }
 
 
+def hostile_program(name: str, *, port: int = 0, host_file: Path | str = "/nonexistent") -> str:
+    return HOSTILE[name].format(token=TOKEN, port=port, host_file=host_file, host_paths=HOST_PATHS)
+
+
+class HostMountedSandbox(Sandbox):
+    """The positive control: a sandbox that (wrongly) binds the host's /etc and this checkout read-only."""
+
+    def _bwrap_args(self, files: ProgramFiles, status_fd: int) -> list[str]:
+        args = super()._bwrap_args(files, status_fd)
+        before_remount = args.index("--remount-ro")  # bwrap cannot create mount points once / is read-only
+        host = ["--ro-bind", "/etc", "/etc", "--ro-bind", str(CHECKOUT), str(CHECKOUT)]
+        return args[:before_remount] + host + args[before_remount:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_program(scorer, host_listener, tmp_path, name):
     host_file = tmp_path / "escaped"
-    code = HOSTILE[name].format(token=TOKEN, port=host_listener.getsockname()[1], host_file=host_file)
+    code = hostile_program(name, port=host_listener.getsockname()[1], host_file=host_file)
     tests = {"inputs": ["1\n", "2\n"], "outputs": [TOKEN] * 2}  # both run, in parallel
-    started = time.monotonic()
     record = scorer.score_batch([fenced(code)], [{"test_cases": tests}])[0]
-    elapsed = time.monotonic() - started
     assert record.reward == 0.0 and not record.answer_ok, record
     assert record.status in ("ok", "timeout"), record
-    assert elapsed < BOUND_S, f"{name} took {elapsed:.1f}s"
     assert sandbox_leftovers() == [], f"{name} left processes behind"
     assert not host_file.exists()
     with pytest.raises(TimeoutError):
@@ -218,12 +233,10 @@ def test_large_correct_output_passes_while_flood_is_cut(scorer):
 
 
 @pytest.mark.slow
-def test_single_hostile_case_is_bounded(scorer):
-    started = time.monotonic()
+def test_single_hostile_case_is_killed_at_the_timeout(scorer):
     record = scorer.score_batch(
         [fenced(HOSTILE["fork_bomb_resilient"])], [{"test_cases": {"inputs": [""], "outputs": ["1"]}}]
     )[0]
-    assert time.monotonic() - started < BOUND_S
     assert record.status == "timeout" and record.details["verdicts"] == ["timeout"]
     assert sandbox_leftovers() == []
 
@@ -232,7 +245,7 @@ def test_single_hostile_case_is_bounded(scorer):
 def test_tampering_does_not_carry_over_to_later_cases():
     """Cases run one after another: the first tries to rewrite the program and leave files behind."""
     scorer = build_reward_scorer("code", timeout_s=TIMEOUT_S, max_parallel=1, early_stop=False, uid_base=UID_BASE)
-    program = HOSTILE["overwrite_test_files"].format(token=TOKEN)
+    program = hostile_program("overwrite_test_files")
     program += "\nimport os\nif os.path.exists('/tmp/marker'): print('{token}')\nopen('/tmp/marker', 'w').close()"
     try:
         record = scorer.score_batch(
@@ -255,3 +268,18 @@ def test_sandbox_runs_as_a_dedicated_uid(scorer):
     """
     record = scorer.score_batch([fenced(program)], [{"test_cases": {"inputs": [""], "outputs": ["dedicated"]}}])[0]
     assert record.reward == 1.0, record
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sandbox_class", "expected"), [(Sandbox, "nothing"), (HostMountedSandbox, TOKEN)], ids=["real", "host_mounted"]
+)
+def test_host_files_are_invisible_unless_mounted(sandbox_class, expected):
+    """The read_host_files program run directly: "nothing" in the real sandbox; with the host's /etc and the
+    checkout bound in (the positive control), exactly the token, so its hostile test would score 1 and fail."""
+    sandbox = sandbox_class(SandboxConfig(timeout_s=10.0, uid_base=UID_BASE, uid_count=UID_COUNT))
+    assert sandbox.unavailable is None, sandbox.unavailable
+    with ProgramFiles(textwrap.dedent(hostile_program("read_host_files"))) as files:
+        result = sandbox.run(files, b"")
+    assert result.infra_error is None and not result.timed_out, result
+    assert result.stdout.decode().strip() == expected, result

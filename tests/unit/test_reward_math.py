@@ -3,7 +3,6 @@
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -122,17 +121,14 @@ def test_pathological_latex_times_out_from_a_thread(boxed_scorer):
     boxed_scorer.score_batch([r"\boxed{0.5}"], [{"gt_answer": "1/2"}])  # workers are up
     results = {}
 
-    def score():
-        started = time.monotonic()
+    def score():  # how long past the timeout the verdict arrives: benchmarks/bounded_waits.py
         results["record"] = boxed_scorer.score_batch([r"\boxed{10^{10^{10^{10}}}}"], [{"gt_answer": "1"}])[0]
-        results["seconds"] = time.monotonic() - started
 
     thread = threading.Thread(target=score)
     thread.start()
     thread.join(timeout=MATH_TIMEOUT_S + 20)
     assert not thread.is_alive()
     assert results["record"].status == "timeout" and results["record"].reward == 0.0
-    assert results["seconds"] < MATH_TIMEOUT_S + 1.5
     # the killed worker is replaced and scoring goes on
     after = boxed_scorer.score_batch([r"\boxed{\frac{1}{4}}"], [{"gt_answer": "0.25"}])[0]
     assert after.reward == 1.0 and after.status == "ok"

@@ -229,6 +229,32 @@ def test_receiver_refuses_a_version_that_does_not_increase_and_stays_in_step():
     assert_bit_identical(tensors, mixed_state_dict(seed=3))
 
 
+def test_receiver_refuses_a_sync_with_another_plan_checksum_and_stays_in_step():
+    """The per-sync header check: a sender whose plan changed after the handshake (here: a sender object
+    that claims another checksum, with buckets of the same sizes, so the bytes still fit) is refused."""
+    layout = WeightLayout.from_state_dict(mixed_state_dict())
+
+    def send(group):
+        sender = WeightSender(group, layout, bucket_bytes=512)
+        agreed = sender.checksum
+        sender.checksum = agreed ^ 1
+        sender.send(mixed_state_dict(seed=1), 1)
+        sender.checksum = agreed
+        sender.send(mixed_state_dict(seed=2), 2)
+
+    def receive(group):
+        receiver = WeightReceiver(group, layout, bucket_bytes=512)
+        with pytest.raises(RuntimeError, match=rf"plan checksum is {receiver.checksum ^ 1}, not {receiver.checksum}"):
+            receiver.receive()
+        assert receiver.last_version is None  # the refused sync is not taken
+        version, tensors = receiver.receive()
+        return version, {name: t.clone() for name, t in tensors.items()}
+
+    sent, (version, tensors) = run_pair(send, receive)
+    assert sent is None and version == 2
+    assert_bit_identical(tensors, mixed_state_dict(seed=2))
+
+
 class CountingGroup:
     """Around a real group: counts the broadcasts one member posts."""
 

@@ -1,0 +1,335 @@
+"""Break the code on purpose, on a copy, and check that the tests meant to notice each breakage fail.
+
+Every entry of ``MUTATIONS`` names one deliberate bug: a file, an exact piece of its text, what to put
+instead, and the pytest node ids that must catch it. For each selected mutation the repository is copied
+to a temporary directory (without ``.git``, ``.venv`` and caches), the text is replaced — it must occur
+exactly once, so an entry whose code has moved is reported instead of silently testing nothing — and
+the listed tests run in the copy with this interpreter. Verdicts:
+
+- ``caught``: every listed test failed;
+- ``MISSED``: a listed test passed (or was skipped) with the bug in place;
+- ``ERROR``: the text was not found once, a listed test was not collected, or pytest could not run.
+
+A baseline run first checks that every listed test passes on an unmutated copy (a test that always
+fails would "catch" everything). The exit status is non-zero unless the baseline passed and every
+mutation was caught.
+
+    python scripts/mutation_check.py                 # baseline + every mutation
+    python scripts/mutation_check.py --list          # what would run
+    python scripts/mutation_check.py --only NAME     # one (repeatable); --no-baseline to skip the baseline
+    python scripts/mutation_check.py --unit-only     # only mutations caught by tests/unit (no dist/e2e runs)
+
+Adding one: append a ``Mutation`` below; ``old`` must be copied verbatim from the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COPY_IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "runs", "wandb"
+)
+TIMEOUT_S = 1800  # one pytest run (the distributed layouts test alone takes minutes on two shared cores)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    why: str
+    """The bug it stands for, in one line."""
+    path: str
+    """File to change, relative to the repository root."""
+    old: str
+    """Exact text, occurring exactly once in ``path``."""
+    new: str
+    tests: tuple[str, ...]
+    """Pytest node ids that must all fail with the mutation in place."""
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        name="sandbox_shows_host_files",
+        why="the code sandbox binds the host's /etc and the checkout read-only",
+        path="reward/sandbox.py",
+        old='        args += ["--ro-bind", str(files.directory), "/sandbox", "--chdir", "/tmp", "--remount-ro", "/"]\n',
+        new='        args += ["--ro-bind", "/etc", "/etc", "--ro-bind", str(_HERE.parent), str(_HERE.parent)]\n'
+        '        args += ["--ro-bind", str(files.directory), "/sandbox", "--chdir", "/tmp", "--remount-ro", "/"]\n',
+        tests=(
+            "tests/unit/test_reward_code_hostile.py::test_hostile_program[read_host_files]",
+            "tests/unit/test_reward_code_hostile.py::test_host_files_are_invisible_unless_mounted[real]",
+        ),
+    ),
+    Mutation(
+        name="objective_ignores_policy_loss",
+        why="every preset gets the token-level clipped loss (GSPO silently computed as GRPO's)",
+        path="colossal_rl/training/objective.py",
+        old="policy_loss = POLICY_LOSSES.get(algo.policy_loss)",
+        new='policy_loss = POLICY_LOSSES.get("clipped")',
+        tests=("tests/unit/test_preset_dispatch.py::test_preset_loss_is_its_configured_formula[GSPO]",),
+    ),
+    Mutation(
+        name="objective_ignores_loss_aggregation",
+        why="every preset's loss is aggregated per sample (DAPO's token mean, Dr. GRPO's constant length lost)",
+        path="colossal_rl/training/objective.py",
+        old="aggregate = LOSS_AGGREGATIONS.get(algo.loss_aggregation)",
+        new='aggregate = LOSS_AGGREGATIONS.get("sample_level")',
+        tests=(
+            "tests/unit/test_preset_dispatch.py::test_preset_loss_is_its_configured_formula[DAPO]",
+            "tests/unit/test_preset_dispatch.py::test_preset_loss_is_its_configured_formula[DR_GRPO]",
+        ),
+    ),
+    Mutation(
+        name="postprocess_ignores_advantage_estimator",
+        why="producers compute GRPO advantages whatever the preset configures",
+        path="colossal_rl/rollout/postprocess.py",
+        old="estimate = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)",
+        new='estimate = ADVANTAGE_ESTIMATORS.get("grpo")',
+        tests=(
+            "tests/unit/test_preset_dispatch.py::test_preset_advantages_are_its_configured_estimator[RLOO]",
+            "tests/unit/test_preset_dispatch.py::test_preset_advantages_are_its_configured_estimator[DR_GRPO]",
+            "tests/unit/test_preset_dispatch.py::test_preset_advantages_are_its_configured_estimator[REINFORCE_PPB]",
+        ),
+    ),
+    Mutation(
+        name="lr_scheduler_not_restored",
+        why="resuming restarts the learning-rate warm-up",
+        path="colossal_rl/training/checkpointing.py",
+        old="    booster.load_lr_scheduler(lr_scheduler, str(directory / SCHEDULER_FILE))\n",
+        new="",
+        tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
+    ),
+    Mutation(
+        name="rng_not_restored",
+        why="resuming trains with a different random stream (dropout) than the uninterrupted run",
+        path="colossal_rl/training/checkpointing.py",
+        old='    torch.set_rng_state(rng["torch"])\n',
+        new="",
+        tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
+    ),
+    Mutation(
+        name="export_moves_trainer_rng",
+        why="the HF export at a checkpoint draws from the trainer's RNG, so the resumed run's dropout differs",
+        path="colossal_rl/training/checkpointing.py",
+        old="    with torch.random.fork_rng(devices=[]):\n",
+        new="    if True:\n",
+        tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
+    ),
+    Mutation(
+        name="sync_checksum_unchecked",
+        why="a receiver accepts a sync whose header carries another weight layout's plan checksum",
+        path="colossal_rl/comm/weight_sync.py",
+        old="        if checksum != self.checksum:\n",
+        new="        if False:\n",
+        tests=(
+            "tests/unit/test_weight_sync.py::test_receiver_refuses_a_sync_with_another_plan_checksum_and_stays_in_step",
+        ),
+    ),
+    Mutation(
+        name="producer_loads_stale_weights",
+        why="a producer loads a weights version that is not newer than the one it holds",
+        path="colossal_rl/rollout/producer.py",
+        old="        if version <= self.policy_version:\n",
+        new="        if False:\n",
+        tests=("tests/unit/test_producer_weights.py::test_load_weights_refuses_a_version_that_is_not_newer",),
+    ),
+    Mutation(
+        name="lr_divided_by_world_size",
+        why="trainers in a 2-process layout update with half the learning rate (seen only in the weights)",
+        path="colossal_rl/training/trainer.py",
+        old="lr=train.learning_rate, weight_decay=train.weight_decay",
+        new="lr=train.learning_rate / self.world_size, weight_decay=train.weight_decay",
+        tests=("tests/dist/test_plugin_layouts.py::test_layout_weights_match_single_process[hybrid_zero1_dp2]",),
+    ),
+    Mutation(
+        name="tp_logits_shifted",
+        why="tensor-parallel logits gathered off by one vocabulary column (wrong TP x PP weights, synced faithfully)",
+        path="colossal_rl/training/plugins.py",
+        old="    return full[..., :vocab_size]\n",
+        new="    return full.roll(1, -1)[..., :vocab_size]\n",
+        tests=("tests/dist/test_stage_sync_tp_pp.py::test_synced_weights_match_a_single_process_reference",),
+    ),
+)
+
+# Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
+_REPORTER = """
+import json, os
+
+def pytest_runtest_logreport(report):
+    with open(os.environ["MUTATION_CHECK_REPORT"], "a") as out:
+        out.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome}) + "\\n")
+"""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    status: str
+    """``caught``, ``MISSED``, ``ERROR``, or for the baseline ``passed`` / ``FAILED``."""
+    detail: str
+    seconds: float
+
+
+def copy_repository(destination: Path) -> Path:
+    """An importable copy of the checkout: ``colossal_rl.reward`` resolves to the copy's ``reward/`` too."""
+    copy = destination / "repo"
+    shutil.copytree(REPO, copy, ignore=COPY_IGNORE, symlinks=True)
+    # The editable install maps colossal_rl.reward to the original reward/; this link, found first on the
+    # copy's path, makes the copy import its own (possibly mutated) reward package.
+    (copy / "colossal_rl" / "reward").symlink_to(Path("..") / "reward", target_is_directory=True)
+    return copy
+
+
+def environment(copy: Path, work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    # PYTHONPATH reaches every process the tests start (spawned workers, Ray actors, rl_example.py runs).
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), str(work), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["MUTATION_CHECK_REPORT"] = str(work / "report.jsonl")
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env.setdefault("WANDB_MODE", "disabled")
+    return env
+
+
+def check_imports_from(copy: Path, env: dict[str, str]) -> None:
+    """Refuse to go on if the copy would import the original checkout's code."""
+    code = "import colossal_rl, colossal_rl.reward; print(colossal_rl.__file__); print(colossal_rl.reward.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the copy does not import: {done.stderr[-2000:]}")
+    for path in done.stdout.split():
+        if not Path(path).resolve().is_relative_to(copy.resolve()):
+            raise RuntimeError(f"the copy imports {path}, outside {copy}")
+
+
+def run_tests(copy: Path, work: Path, tests: tuple[str, ...]) -> tuple[dict[str, str], str]:
+    """Run ``tests`` in ``copy``; returns node id -> ``passed``/``failed``/``skipped`` and pytest's output tail."""
+    (work / "_mutation_check_reporter.py").write_text(_REPORTER)
+    env = environment(copy, work)
+    check_imports_from(copy, env)
+    report = Path(env["MUTATION_CHECK_REPORT"])
+    report.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_mutation_check_reporter"]
+    try:
+        done = subprocess.run([*command, *tests], cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        tail = (done.stdout + done.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        tail = f"pytest did not finish within {TIMEOUT_S}s"
+    phases: dict[str, set[str]] = {}  # node id -> outcomes of its setup, call and teardown
+    for line in report.read_text().splitlines() if report.exists() else []:
+        record = json.loads(line)
+        phases.setdefault(record["nodeid"], set()).add(record["outcome"])
+    outcomes = {}
+    for node, seen in phases.items():
+        outcomes[node] = next(outcome for outcome in ("failed", "skipped", "passed") if outcome in seen)
+    return outcomes, tail
+
+
+def apply(mutation: Mutation, copy: Path) -> str | None:
+    """Make the change in ``copy``; an error message when ``old`` does not occur exactly once."""
+    path = copy / mutation.path
+    if not path.is_file():
+        return f"{mutation.path}: no such file"
+    text = path.read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        return f"{mutation.path}: the old text occurs {count} times (expected once): {mutation.old.strip()[:80]!r}"
+    path.write_text(text.replace(mutation.old, mutation.new))
+    return None
+
+
+def judge(mutation: Mutation, outcomes: dict[str, str], tail: str) -> tuple[str, str]:
+    missing = [test for test in mutation.tests if test not in outcomes]
+    if missing:
+        return "ERROR", f"not run (check the node ids): {missing}\n{textwrap.indent(tail, '    ')}"
+    survivors = [test for test in mutation.tests if outcomes[test] != "failed"]
+    if survivors:
+        return "MISSED", "still " + ", ".join(f"{outcomes[t]}: {t}" for t in survivors)
+    return "caught", f"{len(mutation.tests)} test(s) failed"
+
+
+def check_mutation(mutation: Mutation) -> Verdict:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{mutation.name}-") as work_dir:
+        work = Path(work_dir)
+        copy = copy_repository(work)
+        problem = apply(mutation, copy)
+        if problem is not None:
+            return Verdict(mutation.name, "ERROR", problem, time.monotonic() - started)
+        outcomes, tail = run_tests(copy, work, mutation.tests)
+        status, detail = judge(mutation, outcomes, tail)
+    return Verdict(mutation.name, status, detail, time.monotonic() - started)
+
+
+def check_baseline(mutations: list[Mutation]) -> Verdict:
+    """Every listed test passes on an unmutated copy."""
+    started = time.monotonic()
+    tests = tuple(dict.fromkeys(test for mutation in mutations for test in mutation.tests))
+    with tempfile.TemporaryDirectory(prefix="mutation-baseline-") as work_dir:
+        work = Path(work_dir)
+        copy = copy_repository(work)
+        outcomes, tail = run_tests(copy, work, tests)
+    failing = [f"{outcomes.get(test, 'not run')}: {test}" for test in tests if outcomes.get(test) != "passed"]
+    status = "FAILED" if failing else "passed"
+    detail = "\n    ".join(failing) + f"\n{textwrap.indent(tail, '    ')}" if failing else f"{len(tests)} tests passed"
+    return Verdict("baseline", status, detail, time.monotonic() - started)
+
+
+def select(names: list[str] | None, unit_only: bool) -> list[Mutation]:
+    if unit_only:
+        return [mutation for mutation in MUTATIONS if all(test.startswith("tests/unit/") for test in mutation.tests)]
+    if not names:
+        return list(MUTATIONS)
+    known = {mutation.name: mutation for mutation in MUTATIONS}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"unknown mutation(s) {unknown}; known: {', '.join(known)}")
+    return [known[name] for name in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--list", action="store_true", help="print the mutations and their tests, run nothing")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutation (repeatable)")
+    parser.add_argument("--unit-only", action="store_true", help="only mutations whose tests are all in tests/unit")
+    parser.add_argument("--no-baseline", action="store_true", help="skip checking that the tests pass unmutated")
+    args = parser.parse_args(argv)
+    if len({mutation.name for mutation in MUTATIONS}) != len(MUTATIONS):
+        raise SystemExit("two mutations share a name")
+    if args.unit_only and args.only:
+        raise SystemExit("--unit-only and --only exclude each other")
+    mutations = select(args.only, args.unit_only)
+    if args.list:
+        for mutation in mutations:
+            print(f"{mutation.name}: {mutation.why}\n    {mutation.path}")
+            for test in mutation.tests:
+                print(f"    must fail: {test}")
+        return 0
+
+    started = time.monotonic()
+    verdicts = []
+    if not args.no_baseline:
+        verdicts.append(check_baseline(mutations))
+        print(f"{verdicts[-1].status:8} baseline ({verdicts[-1].seconds:.0f} s): {verdicts[-1].detail}", flush=True)
+    for mutation in mutations:
+        verdicts.append(check_mutation(mutation))
+        verdict = verdicts[-1]
+        print(f"{verdict.status:8} {verdict.name} ({verdict.seconds:.0f} s): {verdict.detail}", flush=True)
+    good = sum(v.status in ("caught", "passed") for v in verdicts)
+    caught = sum(v.status == "caught" for v in verdicts)
+    print(f"{caught} of {len(mutations)} mutations caught; {len(verdicts) - good} problem(s); "
+          f"{time.monotonic() - started:.0f} s in total")  # fmt: skip
+    return 0 if good == len(verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
