@@ -159,6 +159,50 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="    return full.roll(1, -1)[..., :vocab_size]\n",
         tests=("tests/dist/test_stage_sync_tp_pp.py::test_synced_weights_match_a_single_process_reference",),
     ),
+    Mutation(
+        name="old_logprobs_are_new_detached",
+        why="pi_old is the step's own forward again: the PPO ratio is always 1 and no clip ever acts",
+        path="colossal_rl/training/trainer.py",
+        old="old_logprobs = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs",
+        new="old_logprobs = new_logprobs.detach()",
+        tests=(
+            "tests/unit/test_trainer_old_logprobs.py::test_a_token_outside_the_clip_range_gives_no_gradient",
+            "tests/unit/test_trainer_old_logprobs.py::test_dual_clip_bounds_a_negative_advantage_token",
+            "tests/unit/test_trainer_old_logprobs.py::test_gspo_clips_the_sequence_ratio",
+            "tests/unit/test_trainer_old_logprobs.py::test_skip_threshold_drops_a_runaway_sample",
+            "tests/unit/test_trainer_old_logprobs.py::test_later_steps_of_a_round_see_the_round_start_policy",
+        ),
+    ),
+    Mutation(
+        name="step_inputs_left_on_host",
+        why="a step's samples are not moved to the trainer's device (the first GPU train_step fails)",
+        path="colossal_rl/training/trainer.py",
+        old="                chunk = chunk.to(self.device, non_blocking=True)\n",
+        new="",
+        tests=("tests/unit/test_trainer_device.py::test_round_on_a_second_device_equals_the_host_run",),
+    ),
+    Mutation(
+        name="reference_model_left_on_host",
+        why="the KL reference model is loaded on the host while the policy trains on the device",
+        path="colossal_rl/training/trainer.py",
+        old="""        reference = load_policy(
+            self.config.model.path,
+            dtype=dtype,
+            device=self.device,""",
+        new="""        reference = load_policy(
+            self.config.model.path,
+            dtype=dtype,
+            device="cpu",""",
+        tests=("tests/unit/test_trainer_device.py::test_round_on_a_second_device_equals_the_host_run",),
+    ),
+    Mutation(
+        name="collective_scalars_on_host",
+        why="the data-parallel sums are all-reduced from host tensors (NCCL takes device tensors only)",
+        path="colossal_rl/training/trainer.py",
+        old="tensor = torch.tensor(values, dtype=torch.float64, device=self.device)",
+        new="tensor = torch.tensor(values, dtype=torch.float64)",
+        tests=("tests/unit/test_trainer_device.py::test_round_on_a_second_device_equals_the_host_run",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
