@@ -20,7 +20,7 @@ allocated inside the block and not yet freed, from torch profiler's memory event
 allocator hands out, kernel scratch included, without a dispatch mode in the way. It needs real
 tensors, so only :class:`StorageTracker` can count fake ones.
 
-Used by ``train_memory.py``; tested by ``tests/unit/test_memory_tracker.py``. Not part of the package.
+Used by ``train_step_memory.py`` (for ``train_memory.py``); tested by ``tests/unit/test_memory_tracker.py``. Not part of the package.
 """
 
 from __future__ import annotations

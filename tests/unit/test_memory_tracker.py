@@ -1,4 +1,4 @@
-"""The memory counters of ``benchmarks/train_memory.py`` count what is really allocated.
+"""The memory counters of ``benchmarks/train_memory.py`` (``train_step_memory.py``) count what is really allocated.
 
 ``StorageTracker`` (a dispatch mode counting live tensor storages) and ``AllocatorPeak`` (torch
 profiler's CPU allocator events) are checked on known allocations; then, on a small Qwen2 policy step
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmark scripts, not a package
 
 import memory_estimate  # noqa: E402
-import train_memory  # noqa: E402
+import train_step_memory as step_memory  # noqa: E402
 from memory_tracker import AllocatorPeak, StorageTracker  # noqa: E402
 
 FLOAT32 = 4
@@ -87,24 +87,24 @@ def test_allocator_peak_counts_only_blocks_allocated_inside():
 
 @pytest.fixture
 def tiny_shape(monkeypatch):
-    monkeypatch.setitem(train_memory.SHAPES, "tiny", TINY)
+    monkeypatch.setitem(step_memory.SHAPES, "tiny", TINY)
     return "tiny"
 
 
-@pytest.mark.parametrize("feature", list(train_memory.FEATURES))
+@pytest.mark.parametrize("feature", list(step_memory.FEATURES))
 def test_tracker_count_equals_allocator_peak_and_fake_count(tiny_shape, feature):
-    checkpointed = train_memory.FEATURES[feature].gradient_checkpointing
-    case = train_memory.Case(tiny_shape, "fp32", feature, sequences=2, prompt_length=32, response_length=96)
+    checkpointed = step_memory.FEATURES[feature].gradient_checkpointing
+    case = step_memory.Case(tiny_shape, "fp32", feature, sequences=2, prompt_length=32, response_length=96)
 
     torch.manual_seed(0)
-    model = train_memory.build_policy(case)
-    inputs = train_memory.prepare_step(model, case)
+    model = step_memory.build_policy(case)
+    inputs = step_memory.prepare_step(model, case)
     with AllocatorPeak() as no_mode:  # the same step with no dispatch mode at all
-        train_memory.forward_backward(model, case, inputs)
+        step_memory.forward_backward(model, case, inputs)
 
     torch.manual_seed(0)
-    counted = train_memory.policy_step(train_memory.build_policy(case), case)
-    fake = train_memory.measure_fake(case)
+    counted = step_memory.policy_step(step_memory.build_policy(case), case)
+    fake = step_memory.measure_fake(case)
 
     assert counted.activation_peak > 0
     # The one allocation the tracker cannot see (no aten op makes it): checkpointing saves the CPU RNG state
@@ -120,8 +120,8 @@ def test_tracker_count_equals_allocator_peak_and_fake_count(tiny_shape, feature)
 def test_features_are_what_the_counts_say(tiny_shape):
     """Checkpointing keeps only each layer's input; the hidden path never holds [B, L, V] logits."""
     counts = {
-        feature: train_memory.measure_fake(train_memory.Case(tiny_shape, "fp32", feature, 2, 32, 96))
-        for feature in train_memory.FEATURES
+        feature: step_memory.measure_fake(step_memory.Case(tiny_shape, "fp32", feature, 2, 32, 96))
+        for feature in step_memory.FEATURES
     }
     layer_input = 2 * 128 * TINY["hidden_size"] * FLOAT32  # [B, L, H]: what a checkpointed layer saves
     assert counts["grad checkpointing"].per_layer == layer_input
@@ -133,9 +133,9 @@ def test_features_are_what_the_counts_say(tiny_shape):
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
 def test_parameter_arithmetic_matches_the_model(tied, tensor_parallel, monkeypatch):
     shape = TINY | {"tie_word_embeddings": tied}
-    monkeypatch.setitem(train_memory.SHAPES, "tiny", shape)
-    case = train_memory.Case("tiny", "fp32", "plain", tensor_parallel=tensor_parallel)
-    model = train_memory.build_policy(case)
+    monkeypatch.setitem(step_memory.SHAPES, "tiny", shape)
+    case = step_memory.Case("tiny", "fp32", "plain", tensor_parallel=tensor_parallel)
+    model = step_memory.build_policy(case)
     parameters = sum(p.numel() for p in model.parameters())
     layout = memory_estimate.Layout("tp", tp=tensor_parallel, gpus=tensor_parallel)
     # build_policy's tp-shard model has full-vocabulary embeddings; the arithmetic splits them 1/tp.
