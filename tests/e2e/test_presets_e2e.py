@@ -92,12 +92,7 @@ def test_no_two_presets_train_identically(trained):
     assert curves["GRPO"][later_steps] != curves["GSPO"][later_steps]
 
 
-@pytest.mark.skip(reason="to enable with the trainer-step change (a real pi_old on every step of a round)")
 def test_gspo_sequence_clip_acts(trained):
-    """GSPO clips whole sequences at 1 -3e-4/+4e-4: off-policy steps must show clipping.
-
-    The place for ``train/clip_fraction > 0`` (and ``train/ratio_mean != 1``) assertions, left skipped while
-    the trainer step is being rewritten. Measured before that change: the later step of each round (pi_old
-    recomputed) had GSPO clip fractions 0.94 and 0.44, the first steps 0 (ratio exactly 1).
-    """
+    """GSPO clips whole sequences at 1 -3e-4/+4e-4: the second step of a round (pi_old = the round's start)
+    must show clipping (measured: clip fractions 0.94 and 0.44; first steps 0, ratio exactly 1)."""
     assert any(r["train/clip_fraction"] > 0 for r in trained["GSPO"])
