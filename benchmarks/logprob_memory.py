@@ -18,16 +18,10 @@ import subprocess
 import sys
 import time
 
+from memory_tracker import status_kib
+
 VOCAB, SEQUENCES, TOKENS, HIDDEN = 151_936, 2, 1_024, 896
 TARGET_RATIO = 0.25
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _reset_peak_rss() -> None:
@@ -63,7 +57,7 @@ def measure(method: str, backward: bool, chunk_size: int, threads: int) -> dict[
         warm_up.sum().backward()
         hidden.grad = weight.grad = None
     del warm_up
-    baseline_kib = _status_kib("VmRSS")
+    baseline_kib = status_kib("VmRSS")
     _reset_peak_rss()
     started = time.perf_counter()
     with torch.set_grad_enabled(backward):
@@ -71,7 +65,7 @@ def measure(method: str, backward: bool, chunk_size: int, threads: int) -> dict[
         if backward:
             logprobs.sum().backward()
     seconds = time.perf_counter() - started
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     return {"peak_increase_mib": (peak_kib - baseline_kib) / 1024, "seconds": seconds}
 
 

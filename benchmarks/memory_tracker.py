@@ -124,3 +124,12 @@ class AllocatorPeak:
             live += event.nbytes()
             self.peak_bytes = max(self.peak_bytes, live)
         self.end_bytes = live
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``: resident now; ``VmHWM``: the process's peak)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")

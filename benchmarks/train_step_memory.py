@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from memory_tracker import AllocatorPeak, StorageTracker
+from memory_tracker import AllocatorPeak, StorageTracker, status_kib
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -248,26 +248,18 @@ def measure_fake(case: Case) -> StepMemory:
     return memory
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 class RealPeaks(AllocatorPeak):
     """:class:`AllocatorPeak` plus this process's peak RSS increase over the block (``rss_peak_increase``)."""
 
     def __enter__(self) -> RealPeaks:
-        self._rss_before_kib = _status_kib("VmRSS")
+        self._rss_before_kib = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
         super().__enter__()
         return self
 
     def __exit__(self, *exception: Any) -> None:
-        self.rss_peak_increase = (_status_kib("VmHWM") - self._rss_before_kib) * 1024
+        self.rss_peak_increase = (status_kib("VmHWM") - self._rss_before_kib) * 1024
         super().__exit__(*exception)
 
 

@@ -36,7 +36,6 @@ from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.training.policy_forward import (
     model_inputs,
     output_head_returns_hidden,
-    position_ids_from_mask,
     response_terms,
 )
 from colossal_rl.training.round_plan import epoch_steps
@@ -48,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-__all__ = ["Trainer", "position_ids_from_mask", "training_device", "warmup_then_constant"]
+__all__ = ["Trainer", "training_device", "warmup_then_constant"]
 
 
 def warmup_then_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
