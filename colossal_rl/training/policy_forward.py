@@ -91,13 +91,32 @@ def response_terms(
     differentiable; the entropy is a metric, computed without gradient.
     """
     aligned = align_to_response(outputs, prompt_length)
+    return aligned_response_terms(
+        aligned,
+        response_ids,
+        temperature=temperature,
+        head_weight=head_weight,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
+
+
+def aligned_response_terms(
+    aligned: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    head_weight: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_terms` of outputs already aligned to their targets: ``aligned`` [B, T, V or H] holds,
+    at t, the output that predicts ``targets`` [B, T] at t."""
     if head_weight is None:
-        logprobs = logprobs_from_logits(aligned, response_ids, temperature=temperature, chunk_size=chunk_size)
+        logprobs = logprobs_from_logits(aligned, targets, temperature=temperature, chunk_size=chunk_size)
     else:
         aligned = aligned.to(head_weight.dtype)
-        logprobs = logprobs_from_hidden(
-            aligned, head_weight, response_ids, temperature=temperature, chunk_size=chunk_size
-        )
+        logprobs = logprobs_from_hidden(aligned, head_weight, targets, temperature=temperature, chunk_size=chunk_size)
     entropy = None
     if with_entropy:
         with torch.no_grad():
