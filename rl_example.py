@@ -69,6 +69,8 @@ FIELD_FLAGS = {
     "train.warmup_steps": "--warmup-steps",
     "train.ppo_epochs": "--ppo-epochs",
     "train.attn_implementation": "--attn-implementation",
+    "train.sequence_layout": "--sequence-layout",
+    "train.max_tokens_per_microbatch": "--max-tokens-per-microbatch",
     "algorithm.old_logprobs": "--old-logprobs",
     "run.timeout_s": "--timeout",
     "run.master_port": "--master_port",
@@ -213,6 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--full-logits",
         action="store_true",
         help="Compute log-probs from full [tokens, vocabulary] logits instead of from hidden states in chunks.",
+    )
+    p.add_argument(
+        "--sequence-layout",
+        choices=["padded", "packed", "shared_prompt"],
+        default=defaults.train.sequence_layout,
+        help="Training forward layout: padded rows, packed real tokens, or each group's prompt once (shared_prompt).",
+    )
+    p.add_argument(
+        "--max-tokens-per-microbatch",
+        type=int,
+        default=defaults.train.max_tokens_per_microbatch,
+        help="Token budget of one forward/backward (replaces -tmbs when set; verl's dynamic batch size).",
     )
     p.add_argument("-rt", "--reward-type", default="boxed", choices=["boxed", "think_answer_tags", "code"])
     p.add_argument(
@@ -379,6 +393,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 gradient_checkpointing=args.grad_checkpoint,
                 attn_implementation=args.attn_implementation,
                 logits_from_hidden=not args.full_logits,
+                sequence_layout=args.sequence_layout,
+                max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             ),
             parallel=ParallelConfig(
                 num_trainers=args.num_trainers,

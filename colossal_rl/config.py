@@ -26,6 +26,7 @@ Backend = Literal["transformers", "vllm"]
 OldLogprobs = Literal["recompute", "behaviour"]
 AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 WeightSyncBackend = Literal["torch", "ray_nccl"]
+SequenceLayout = Literal["padded", "packed", "shared_prompt"]
 
 
 class ConfigError(ValueError):
@@ -222,9 +223,34 @@ class TrainConfig:
     """Compute log-probs and entropy from the last hidden states, applying the output head one chunk of
     positions at a time, so [tokens, vocabulary] logits never exist (off: the model returns full logits).
     Tensor-parallel layouts always use full (vocabulary-sharded) logits."""
+    sequence_layout: SequenceLayout = "padded"
+    """How a training forward lays out its samples (``training/sequence_layout.py``): ``padded`` (one sample
+    per row, padding cut to the micro-batch's longest prompt and response), ``packed`` (padding-free: real
+    tokens only, several samples per row) or ``shared_prompt`` (one row per prompt group: the prompt once,
+    then each response). Same log-probs and gradients; pipeline parallelism needs ``padded``."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of one forward/backward (verl's dynamic batch size): micro-batches take samples (whole
+    groups under ``shared_prompt``) while the tokens the layout computes stay within it; replaces
+    ``microbatch_size`` when set. None: ``microbatch_size`` samples per micro-batch."""
 
     def validate(self) -> None:
         _require(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
+        _require(
+            self.sequence_layout in ("padded", "packed", "shared_prompt"),
+            "train.sequence_layout",
+            f"must be padded, packed or shared_prompt, got {self.sequence_layout!r}",
+        )
+        _require(
+            self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
+            "train.max_tokens_per_microbatch",
+            f"must be >= 1 (or unset), got {self.max_tokens_per_microbatch}",
+        )
+        _require(
+            not (self.sequence_layout == "shared_prompt" and self.attn_implementation == "flash_attention_2"),
+            "train.sequence_layout",
+            "shared_prompt needs a 4D attention mask, which flash_attention_2 cannot take: use packed "
+            "(flash-attention's variable-length path) or attn_implementation sdpa",
+        )
         _require(
             self.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
             "train.attn_implementation",
@@ -420,6 +446,12 @@ class RLConfig:
             f"{gen.num_generations} generations",
         )
         if par.pp_size > 1:  # the pipeline schedule splits a step's samples into micro-batches of tmbs // pp
+            _require(
+                train.sequence_layout == "padded" and train.max_tokens_per_microbatch is None,
+                "train.sequence_layout",
+                "pipeline parallelism (pp_size > 1) runs fixed-shape micro-batches: it needs sequence_layout "
+                "padded and no max_tokens_per_microbatch",
+            )
             step_samples = train.minibatch_size * gen.num_generations
             pipeline_micro = max(1, train.microbatch_size // par.pp_size)
             _require(

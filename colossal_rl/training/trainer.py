@@ -33,12 +33,14 @@ import torch.distributed as dist
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
+from colossal_rl.training import micro_batches
 from colossal_rl.training.policy_forward import (
     model_inputs,
     output_head_returns_hidden,
     response_terms,
 )
 from colossal_rl.training.round_plan import epoch_steps
+from colossal_rl.training.sequence_layout import ForwardLayout, block_layout, padded_layout
 
 if TYPE_CHECKING:
     from colossalai.booster.plugin import Plugin
@@ -81,6 +83,12 @@ def _add_metrics(totals: dict[str, float], metrics: dict[str, torch.Tensor], wei
             totals[name] = max(totals.get(name, float("-inf")), float(value))
         else:
             totals[name] = totals.get(name, 0.0) + float(value) * weight
+
+
+def _count_tokens(totals: dict[str, float], real: int, computed: int) -> None:
+    """Add one training forward's tokens: real ones (each sample on its own) and the positions computed."""
+    totals["train/real_tokens"] = totals.get("train/real_tokens", 0.0) + real
+    totals["train/computed_tokens"] = totals.get("train/computed_tokens", 0.0) + computed
 
 
 class Trainer:
@@ -134,7 +142,7 @@ class Trainer:
             parallel, microbatch_size=train.microbatch_size, max_norm=train.max_norm, on_cpu=self.on_cpu
         )
         self.booster = Booster(plugin=self.plugin)
-        dtype = _DTYPES[parallel.precision]
+        dtype = self.dtype = _DTYPES[parallel.precision]
         model = load_policy(
             self.config.model.path,
             dtype=dtype,
@@ -263,13 +271,69 @@ class Trainer:
         with torch.no_grad(), self._output_head(model) as head_weight:
             if self.pp_group is not None:
                 return self._pipeline_logprobs_no_grad(model, chunk, head_weight)
-            micro = self.config.train.microbatch_size
             parts = []
-            for start in range(0, chunk.num_samples, micro):
-                part = chunk.sample_range(start, start + micro)
-                outputs = model(**model_inputs(*part.sequences())).logits
-                parts.append(self._response_terms(outputs, head_weight, part, with_entropy=False)[0])
+            for start, stop in self._micro_ranges(chunk, same_count_on_every_rank=False):
+                part = chunk.sample_range(start, stop)
+                parts.append(self._forward_terms(model, part, chunk.group_size, head_weight, with_entropy=False)[0])
             return torch.cat(parts)
+
+    def _micro_ranges(self, chunk: RolloutBatch, *, same_count_on_every_rank: bool) -> list[tuple[int, int]]:
+        """Sample ranges of ``chunk``'s micro-batches (``training/micro_batches.py``): ``train.microbatch_size``
+        samples each, or within ``train.max_tokens_per_microbatch`` tokens. ``same_count_on_every_rank``: a
+        budgeted plan gets the data-parallel ranks' largest count (each backward all-reduces gradients)."""
+        train = self.config.train
+        shared = train.sequence_layout == "shared_prompt"
+        units = micro_batches.make_units(
+            chunk.prompt_mask.sum(1).tolist(), chunk.response_mask.sum(1).tolist(), chunk.group_size if shared else 1
+        )
+        if train.max_tokens_per_microbatch is None:
+            return micro_batches.by_count(units, train.microbatch_size)
+        padded = train.sequence_layout == "padded"
+        parts = micro_batches.by_budget(units, train.max_tokens_per_microbatch, padded=padded, shared_prompt=shared)
+        if same_count_on_every_rank and self.dp_size > 1:
+            count = int(self._global_max(float(len(parts))))
+            parts = micro_batches.by_budget_in_exactly(units, count, padded=padded, shared_prompt=shared)
+        return micro_batches.sample_ranges(parts)
+
+    def _forward_layout(self, part: RolloutBatch, group_size: int) -> ForwardLayout:
+        """The layout (``train.sequence_layout``) of one micro-batch's samples, on the samples' device."""
+        tensors = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+        layout = self.config.train.sequence_layout
+        if layout == "padded":
+            return padded_layout(*tensors)
+        flash = self.config.train.attn_implementation == "flash_attention_2"
+        return block_layout(
+            *tensors,
+            group_size=group_size,
+            shared_prompt=layout == "shared_prompt",
+            pad_token_id=self.pad_token_id,
+            mask_dtype=None if flash else self.dtype,
+        )
+
+    def _forward_terms(
+        self,
+        model: torch.nn.Module,
+        part: RolloutBatch,
+        group_size: int,
+        head_weight: torch.Tensor | None,
+        *,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, ForwardLayout]:
+        """One forward of ``model`` over a micro-batch in its layout: (log-probs [n, R], entropy or None, layout)."""
+        from colossal_rl.training.plugins import gather_vocab_parallel_logits
+
+        forward = self._forward_layout(part, group_size)
+        outputs = model(**forward.inputs).logits
+        if head_weight is None and self.tp_group is not None:
+            outputs = gather_vocab_parallel_logits(outputs, self.tp_group, self.vocab_size)
+        logprobs, entropy = forward.response_terms(
+            outputs,
+            part.response_ids,
+            temperature=self.config.generation.temperature,
+            head_weight=head_weight,
+            with_entropy=with_entropy,
+        )
+        return logprobs, entropy, forward
 
     def _pipeline_logprobs_no_grad(
         self, model: torch.nn.Module, chunk: RolloutBatch, head_weight: torch.Tensor | None
@@ -297,6 +361,11 @@ class Trainer:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, group=self.dp_group)
         return tensor.cpu().tolist()
+
+    def _global_max(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return float(tensor.item())
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on ``batch``: forward/backward over its samples, then the update.
@@ -338,6 +407,9 @@ class Trainer:
         totals["train/loss"], totals["train/entropy"] = self._global_sums(
             [totals["train/loss"], totals["train/entropy"]]
         )
+        totals["train/computed_per_real_token"] = totals["train/computed_tokens"] / max(
+            totals["train/real_tokens"], 1.0
+        )
         totals.update({"train/grad_norm": grad_norm, "time/train_step_s": time.perf_counter() - started})
         captured = None if any(part is None for part in new_logprobs) else torch.cat([p.cpu() for p in new_logprobs])
         return totals, captured
@@ -348,15 +420,20 @@ class Trainer:
         """Gradients of one chunk's share of the step loss, ``train.microbatch_size`` samples at a time.
 
         Returns the chunk's log-probs before the update [n, R] (detached)."""
-        micro = self.config.train.microbatch_size
         captured = []
-        for start in range(0, chunk.num_samples, micro):
-            part = chunk.sample_range(start, start + micro)
+        for start, stop in self._micro_ranges(chunk, same_count_on_every_rank=True):
+            part = chunk.sample_range(start, stop)
             with self._output_head(self.model) as head_weight:
-                outputs = self.model(**model_inputs(*part.sequences())).logits
-                loss, new_logprobs = self._part_loss(outputs, head_weight, chunk, start, micro, ref_logprobs, context)
+                new_logprobs, entropy, forward = self._forward_terms(
+                    self.model, part, chunk.group_size, head_weight, with_entropy=True
+                )
+                part_ref = None if ref_logprobs is None else ref_logprobs[start:stop]
+                loss = self.micro_batch_loss(
+                    new_logprobs, entropy, part, part_ref, context.counts, context.step_samples, context.totals
+                )
                 # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
                 self.booster.backward(loss * self.dp_size, self.optimizer)
+            _count_tokens(context.totals, forward.real_tokens, forward.computed_tokens)
             captured.append(new_logprobs.detach())
         return torch.cat(captured)
 
@@ -370,7 +447,7 @@ class Trainer:
         ref_logprobs: torch.Tensor | None,
         context: _StepContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, log-probs) of samples [start, start + size) of ``chunk`` from their forward's ``outputs``."""
+        """(loss, log-probs) of samples [start, start + size) of ``chunk`` from their padded forward's ``outputs``."""
         part = chunk.sample_range(start, start + size)
         new_logprobs, entropy = self._response_terms(outputs, head_weight, part, with_entropy=True)
         part_ref = None if ref_logprobs is None else ref_logprobs[start : start + size]
@@ -412,8 +489,15 @@ class Trainer:
                 captured.append(new_logprobs.detach())
                 return loss * self.dp_size * num_micro  # the schedule divides by the number of micro-batches
 
-            inputs = model_inputs(*chunk.sequences())
-            self.booster.execute_pipeline(iter([inputs]), self.model, criterion, self.optimizer, return_loss=False)
+            input_ids, attention_mask = chunk.sequences()
+            self.booster.execute_pipeline(
+                iter([model_inputs(input_ids, attention_mask)]),
+                self.model,
+                criterion,
+                self.optimizer,
+                return_loss=False,
+            )
+        _count_tokens(context.totals, int(attention_mask.sum()), attention_mask.numel())
         return torch.cat(captured) if captured else None
 
     def _from_last_stage(self, totals: dict[str, float]) -> dict[str, float]:

@@ -55,6 +55,10 @@ class OnAccelerator(torch.Tensor):
     def __repr__(self) -> str:
         return f"OnAccelerator({self.elem!r})"
 
+    def tolist(self) -> Any:
+        """As on CUDA: the values, copied to the host (torch refuses ``tolist`` on wrapper subclasses)."""
+        return self.elem.tolist()
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod

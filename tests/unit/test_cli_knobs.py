@@ -63,6 +63,8 @@ FLAG_PROBES = {
     "grad_checkpoint": (["--grad-checkpoint"], "train.gradient_checkpointing"),
     "attn_implementation": (["--attn-implementation", "eager"], "train.attn_implementation"),
     "full_logits": (["--full-logits"], "train.logits_from_hidden"),
+    "sequence_layout": (["--sequence-layout", "packed"], "train.sequence_layout"),
+    "max_tokens_per_microbatch": (["--max-tokens-per-microbatch", "512"], "train.max_tokens_per_microbatch"),
     "reward_type": (["-rt", "think_answer_tags"], "reward.reward_type"),
     "reward_fn": (["--reward-fn", "my_reward.py:score"], "reward.reward_fn"),
     "code_verifier_url": (["-cv", "http://localhost:8000"], "reward.code_verifier_url"),

@@ -49,20 +49,29 @@ def accelerator_is_the_fake_device():
         yield
 
 
-def _round_config():
+def _round_config(**train):
     # Eager attention: torch picks SDPA's kernel by device, so only eager computes identically on both devices.
     return make_config(
         algorithm=replace(AlgorithmConfig(), kl_coeff=0.1),
-        train={"attn_implementation": "eager", "learning_rate": 1e-3},
+        train={"attn_implementation": "eager", "learning_rate": 1e-3} | train,
     )
 
 
 def _steps():
-    return [make_batch(seed=1), make_batch(seed=2), make_batch(seed=3)]
+    return [make_batch(seed=seed, shared_prompts=True) for seed in (1, 2, 3)]
 
 
-def test_round_on_a_second_device_equals_the_host_run(request):
-    config = _round_config()
+LAYOUTS = {
+    "padded": {},
+    "packed": {"sequence_layout": "packed"},
+    "shared_prompt_token_budget": {"sequence_layout": "shared_prompt", "max_tokens_per_microbatch": 40},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_round_on_a_second_device_equals_the_host_run(request, layout):
+    """Every layout's index tensors and masks are built on the samples' device (a GPU fails otherwise)."""
+    config = _round_config(**LAYOUTS[layout])
     host = make_trainer(config, device="cpu").train_round(_steps(), round_index=0)
     request.getfixturevalue("accelerator_is_the_fake_device")
     trainer = make_trainer(config)

@@ -55,10 +55,17 @@ def make_trainer(config: RLConfig, device: torch.device | str | None = None) -> 
 
 
 def make_batch(
-    *, num_groups: int = 4, prompt_len: int = 6, response_len: int = 5, seed: int = 0, vocab: int = 40
+    *,
+    num_groups: int = 4,
+    prompt_len: int = 6,
+    response_len: int = 5,
+    seed: int = 0,
+    vocab: int = 40,
+    shared_prompts: bool = False,
 ) -> RolloutBatch:
     """Random prompts (left-padded) and responses (right-padded) of unequal lengths, advantages and
-    behaviour log-probs; every tensor on the host, as rollouts arrive from Ray."""
+    behaviour log-probs; every tensor on the host, as rollouts arrive from Ray. ``shared_prompts``: the
+    samples of a group share their first sample's prompt (as real rollouts do)."""
     generator = torch.Generator().manual_seed(seed)
     n = num_groups * GROUP_SIZE
     prompt_ids = torch.randint(3, vocab, (n, prompt_len), generator=generator)
@@ -67,6 +74,9 @@ def make_batch(
     response_ids = torch.randint(3, vocab, (n, response_len), generator=generator)
     response_mask = torch.ones(n, response_len, dtype=torch.long)
     response_mask[1::2, response_len - 2 :] = 0
+    if shared_prompts:
+        first = torch.arange(n) // GROUP_SIZE * GROUP_SIZE
+        prompt_ids, prompt_mask = prompt_ids[first], prompt_mask[first]
     rewards = (torch.rand(n, generator=generator) > 0.5).float()
     return RolloutBatch(
         prompt_ids=prompt_ids * prompt_mask,
