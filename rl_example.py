@@ -218,9 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sequence-layout",
-        choices=["padded", "packed", "shared_prompt"],
+        choices=["auto", "padded", "packed", "shared_prompt"],
         default=defaults.train.sequence_layout,
-        help="Training forward layout: padded rows, packed real tokens, or each group's prompt once (shared_prompt).",
+        help="Training forward layout: padded rows, packed real tokens, or each group's prompt once (shared_prompt); "
+        "auto: shared_prompt (packed with flash_attention_2, padded with -pp > 1).",
     )
     p.add_argument(
         "--max-tokens-per-microbatch",

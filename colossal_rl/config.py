@@ -26,7 +26,7 @@ Backend = Literal["transformers", "vllm"]
 OldLogprobs = Literal["recompute", "behaviour"]
 AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 WeightSyncBackend = Literal["torch", "ray_nccl"]
-SequenceLayout = Literal["padded", "packed", "shared_prompt"]
+SequenceLayout = Literal["auto", "padded", "packed", "shared_prompt"]
 
 
 class ConfigError(ValueError):
@@ -223,11 +223,13 @@ class TrainConfig:
     """Compute log-probs and entropy from the last hidden states, applying the output head one chunk of
     positions at a time, so [tokens, vocabulary] logits never exist (off: the model returns full logits).
     Tensor-parallel layouts always use full (vocabulary-sharded) logits."""
-    sequence_layout: SequenceLayout = "padded"
+    sequence_layout: SequenceLayout = "auto"
     """How a training forward lays out its samples (``training/sequence_layout.py``): ``padded`` (one sample
     per row, padding cut to the micro-batch's longest prompt and response), ``packed`` (padding-free: real
     tokens only, several samples per row) or ``shared_prompt`` (one row per prompt group: the prompt once,
-    then each response). Same log-probs and gradients; pipeline parallelism needs ``padded``."""
+    then each response). Same log-probs and gradients. ``auto``: shared_prompt, except packed with
+    flash_attention_2 (no 4D masks) and padded under pipeline parallelism (fixed-shape micro-batches); see
+    :meth:`RLConfig.sequence_layout`. benchmarks/README.md has the measurements behind it."""
     max_tokens_per_microbatch: int | None = None
     """Token budget of one forward/backward (verl's dynamic batch size): micro-batches take samples (whole
     groups under ``shared_prompt``) while the tokens the layout computes stay within it; replaces
@@ -236,9 +238,9 @@ class TrainConfig:
     def validate(self) -> None:
         _require(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
         _require(
-            self.sequence_layout in ("padded", "packed", "shared_prompt"),
+            self.sequence_layout in ("auto", "padded", "packed", "shared_prompt"),
             "train.sequence_layout",
-            f"must be padded, packed or shared_prompt, got {self.sequence_layout!r}",
+            f"must be auto, padded, packed or shared_prompt, got {self.sequence_layout!r}",
         )
         _require(
             self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
@@ -410,6 +412,16 @@ class RLConfig:
         """Optimizer steps each trainer takes per round: ``steps_per_round`` for each of ``train.ppo_epochs``."""
         return self.steps_per_round * self.train.ppo_epochs
 
+    @property
+    def sequence_layout(self) -> str:
+        """The training forward's layout: ``train.sequence_layout``, with ``auto`` resolved to padded under
+        pipeline parallelism, packed with flash_attention_2 (no 4D masks there), else shared_prompt."""
+        if self.train.sequence_layout != "auto":
+            return self.train.sequence_layout
+        if self.parallel.pp_size > 1:
+            return "padded"
+        return "packed" if self.train.attn_implementation == "flash_attention_2" else "shared_prompt"
+
     def validate(self) -> RLConfig:
         self.generation.validate()
         self.algorithm.validate()
@@ -447,7 +459,7 @@ class RLConfig:
         )
         if par.pp_size > 1:  # the pipeline schedule splits a step's samples into micro-batches of tmbs // pp
             _require(
-                train.sequence_layout == "padded" and train.max_tokens_per_microbatch is None,
+                train.sequence_layout in ("auto", "padded") and train.max_tokens_per_microbatch is None,
                 "train.sequence_layout",
                 "pipeline parallelism (pp_size > 1) runs fixed-shape micro-batches: it needs sequence_layout "
                 "padded and no max_tokens_per_microbatch",

@@ -281,14 +281,14 @@ class Trainer:
         """Sample ranges of ``chunk``'s micro-batches (``training/micro_batches.py``): ``train.microbatch_size``
         samples each, or within ``train.max_tokens_per_microbatch`` tokens. ``same_count_on_every_rank``: a
         budgeted plan gets the data-parallel ranks' largest count (each backward all-reduces gradients)."""
-        train = self.config.train
-        shared = train.sequence_layout == "shared_prompt"
+        train, layout = self.config.train, self.config.sequence_layout
+        shared = layout == "shared_prompt"
         units = micro_batches.make_units(
             chunk.prompt_mask.sum(1).tolist(), chunk.response_mask.sum(1).tolist(), chunk.group_size if shared else 1
         )
         if train.max_tokens_per_microbatch is None:
             return micro_batches.by_count(units, train.microbatch_size)
-        padded = train.sequence_layout == "padded"
+        padded = layout == "padded"
         parts = micro_batches.by_budget(units, train.max_tokens_per_microbatch, padded=padded, shared_prompt=shared)
         if same_count_on_every_rank and self.dp_size > 1:
             count = int(self._global_max(float(len(parts))))
@@ -298,7 +298,7 @@ class Trainer:
     def _forward_layout(self, part: RolloutBatch, group_size: int) -> ForwardLayout:
         """The layout (``train.sequence_layout``) of one micro-batch's samples, on the samples' device."""
         tensors = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
-        layout = self.config.train.sequence_layout
+        layout = self.config.sequence_layout
         if layout == "padded":
             return padded_layout(*tensors)
         flash = self.config.train.attn_implementation == "flash_attention_2"

@@ -62,7 +62,7 @@ def _steps():
 
 
 LAYOUTS = {
-    "padded": {},
+    "padded": {"sequence_layout": "padded"},
     "packed": {"sequence_layout": "packed"},
     "shared_prompt_token_budget": {"sequence_layout": "shared_prompt", "max_tokens_per_microbatch": 40},
 }

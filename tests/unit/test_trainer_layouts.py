@@ -19,7 +19,7 @@ from colossal_rl.config import AlgorithmConfig, replace
 LAYOUTS = {
     "packed": {"sequence_layout": "packed"},
     "shared_prompt": {"sequence_layout": "shared_prompt"},
-    "padded_token_budget": {"max_tokens_per_microbatch": 40},
+    "padded_token_budget": {"sequence_layout": "padded", "max_tokens_per_microbatch": 40},
     "packed_token_budget": {"sequence_layout": "packed", "max_tokens_per_microbatch": 40},
     "shared_prompt_token_budget": {"sequence_layout": "shared_prompt", "max_tokens_per_microbatch": 40},
 }
@@ -46,7 +46,7 @@ def one_step(train_changes: dict) -> tuple[dict[str, float], torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_step_equals_the_padded_step(sgd, name):
-    reference_metrics, reference_grad = one_step({})
+    reference_metrics, reference_grad = one_step({"sequence_layout": "padded"})
     metrics, grad = one_step(LAYOUTS[name])
     assert float(reference_grad.norm()) > 0
     assert float((grad - reference_grad).norm() / reference_grad.norm()) <= 1e-5
@@ -57,7 +57,7 @@ def test_step_equals_the_padded_step(sgd, name):
 
 
 def test_layouts_compute_fewer_tokens_and_say_so(sgd):
-    padded, _ = one_step({"microbatch_size": 16})
+    padded, _ = one_step({"sequence_layout": "padded", "microbatch_size": 16})
     packed, _ = one_step({"sequence_layout": "packed", "microbatch_size": 16})
     shared, _ = one_step({"sequence_layout": "shared_prompt", "microbatch_size": 16})
     batch = make_batch(seed=7, prompt_len=9, response_len=7, shared_prompts=True)
@@ -76,3 +76,38 @@ def test_shared_prompt_refuses_a_group_whose_prompts_differ(sgd):
     trainer = make_trainer(config, device="cpu")
     with pytest.raises(ValueError, match="share one prompt"):
         trainer.train_step(make_batch(seed=7, shared_prompts=False))
+
+
+def test_auto_layout_shares_prompts_except_where_a_layout_cannot():
+    from colossal_rl.config import ParallelConfig, RLConfig, TrainConfig
+
+    def resolved(**changes) -> str:
+        parallel = changes.pop("parallel", ParallelConfig())
+        return RLConfig(train=TrainConfig(**changes), parallel=parallel).sequence_layout
+
+    assert resolved() == "shared_prompt"
+    assert resolved(attn_implementation="flash_attention_2") == "packed"
+    assert resolved(parallel=ParallelConfig(num_trainers=2, pp_size=2)) == "padded"
+    assert resolved(sequence_layout="padded") == "padded"
+
+
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        ({"sequence_layout": "packed"}, "pipeline parallelism"),
+        ({"max_tokens_per_microbatch": 512}, "pipeline parallelism"),
+    ],
+)
+def test_pipeline_parallelism_refuses_layouts_it_cannot_run(train, message):
+    from colossal_rl.config import ParallelConfig, RLConfig, TrainConfig
+
+    config = RLConfig(train=TrainConfig(microbatch_size=4, **train), parallel=ParallelConfig(num_trainers=2, pp_size=2))
+    with pytest.raises(ValueError, match=message):
+        config.validate()
+
+
+def test_shared_prompt_refuses_flash_attention():
+    from colossal_rl.config import TrainConfig
+
+    with pytest.raises(ValueError, match="flash_attention_2 cannot take"):
+        TrainConfig(sequence_layout="shared_prompt", attn_implementation="flash_attention_2").validate()

@@ -61,11 +61,11 @@ def make_batch(
     response_len: int = 5,
     seed: int = 0,
     vocab: int = 40,
-    shared_prompts: bool = False,
+    shared_prompts: bool = True,
 ) -> RolloutBatch:
     """Random prompts (left-padded) and responses (right-padded) of unequal lengths, advantages and
     behaviour log-probs; every tensor on the host, as rollouts arrive from Ray. ``shared_prompts``: the
-    samples of a group share their first sample's prompt (as real rollouts do)."""
+    samples of a group share their first sample's prompt, as real rollouts do (False: random per sample)."""
     generator = torch.Generator().manual_seed(seed)
     n = num_groups * GROUP_SIZE
     prompt_ids = torch.randint(3, vocab, (n, prompt_len), generator=generator)
