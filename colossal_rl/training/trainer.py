@@ -3,7 +3,8 @@
 Phase-sized methods: ``setup``, ``train_round`` (the round's optimizer steps, with pi_old), ``train_step``
 (forward/backward over the step's samples, then one optimizer step), ``stage_state_dict`` (for the weight
 sync), ``full_state_dict`` (for the export). Plain class: no Ray here; the loss math lives in
-``colossal_rl/algorithms`` and is reached through ``training/objective.py``.
+``colossal_rl/algorithms`` and is reached through ``training/objective.py``; one micro-batch's forward in the
+configured sequence layout (padded, packed, shared-prompt) is ``training/micro_batch_forward.py``'s.
 
 Devices. A rank trains on one device, ``self.device`` (the accelerator's current device: a GPU, or the CPU
 here). Rollouts arrive on the host; each step moves its samples to the device ``train.minibatch_size``
@@ -19,10 +20,8 @@ With ``behaviour`` the producer's sampling log-probs are pi_old.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,14 +32,9 @@ import torch.distributed as dist
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
-from colossal_rl.training import micro_batches
-from colossal_rl.training.policy_forward import (
-    model_inputs,
-    output_head_returns_hidden,
-    response_terms,
-)
+from colossal_rl.training.micro_batch_forward import MicroBatchForward
+from colossal_rl.training.policy_forward import model_inputs
 from colossal_rl.training.round_plan import epoch_steps
-from colossal_rl.training.sequence_layout import ForwardLayout, block_layout, padded_layout
 
 if TYPE_CHECKING:
     from colossalai.booster.plugin import Plugin
@@ -142,7 +136,7 @@ class Trainer:
             parallel, microbatch_size=train.microbatch_size, max_norm=train.max_norm, on_cpu=self.on_cpu
         )
         self.booster = Booster(plugin=self.plugin)
-        dtype = self.dtype = _DTYPES[parallel.precision]
+        dtype = _DTYPES[parallel.precision]
         model = load_policy(
             self.config.model.path,
             dtype=dtype,
@@ -169,6 +163,15 @@ class Trainer:
             self.config.model.path, trust_remote_code=self.config.model.trust_remote_code
         )
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.micro_forward = MicroBatchForward(
+            self.config,
+            dtype=dtype,
+            pad_token_id=self.pad_token_id,
+            tp_group=self.tp_group,
+            vocab_size=self.vocab_size,
+            max_over_ranks=self._global_max if self.dp_size > 1 else None,
+        )
+        """The policy's micro-batch forward in the configured sequence layout (also used for the reference model)."""
 
     def _build_reference_model(self, dtype: torch.dtype) -> torch.nn.Module:
         """The frozen reference policy on this rank's device in the training precision; sharded like the
@@ -240,100 +243,16 @@ class Trainer:
         """The step's samples in pieces of ``train.minibatch_size`` prompts: the unit moved to the device."""
         return batch.group_chunks(self.config.train.minibatch_size)
 
-    @contextlib.contextmanager
-    def _output_head(self, model: torch.nn.Module) -> Iterator[torch.Tensor | None]:
-        """Yields the output head's weight when log-probs come from hidden states, else None (full logits)."""
-        if self.config.train.logits_from_hidden and self.tp_group is None:
-            with output_head_returns_hidden(model) as weight:
-                yield weight
-        else:
-            yield None
-
-    def _response_terms(
-        self, outputs: torch.Tensor, head_weight: torch.Tensor | None, batch: RolloutBatch, *, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-probs, entropy) of ``batch``'s responses from a forward's outputs (logits, or hidden states)."""
-        from colossal_rl.training.plugins import gather_vocab_parallel_logits
-
-        if head_weight is None and self.tp_group is not None:
-            outputs = gather_vocab_parallel_logits(outputs, self.tp_group, self.vocab_size)
-        return response_terms(
-            outputs,
-            prompt_length=batch.prompt_ids.shape[1],
-            response_ids=batch.response_ids,
-            temperature=self.config.generation.temperature,
-            head_weight=head_weight,
-            with_entropy=with_entropy,
-        )
-
     def _chunk_logprobs_no_grad(self, model: torch.nn.Module, chunk: RolloutBatch) -> torch.Tensor | None:
         """Log-probs [n, R] on the device of one chunk already on the device (None off the last pipeline stage)."""
-        with torch.no_grad(), self._output_head(model) as head_weight:
+        with torch.no_grad(), self.micro_forward.output_head(model) as head_weight:
             if self.pp_group is not None:
                 return self._pipeline_logprobs_no_grad(model, chunk, head_weight)
             parts = []
-            for start, stop in self._micro_ranges(chunk, same_count_on_every_rank=False):
+            for start, stop in self.micro_forward.micro_ranges(chunk, same_count_on_every_rank=False):
                 part = chunk.sample_range(start, stop)
-                parts.append(self._forward_terms(model, part, chunk.group_size, head_weight, with_entropy=False)[0])
+                parts.append(self.micro_forward.terms(model, part, chunk.group_size, head_weight, with_entropy=False)[0])
             return torch.cat(parts)
-
-    def _micro_ranges(self, chunk: RolloutBatch, *, same_count_on_every_rank: bool) -> list[tuple[int, int]]:
-        """Sample ranges of ``chunk``'s micro-batches (``training/micro_batches.py``): ``train.microbatch_size``
-        samples each, or within ``train.max_tokens_per_microbatch`` tokens. ``same_count_on_every_rank``: a
-        budgeted plan gets the data-parallel ranks' largest count (each backward all-reduces gradients)."""
-        train, layout = self.config.train, self.config.sequence_layout
-        shared = layout == "shared_prompt"
-        units = micro_batches.make_units(
-            chunk.prompt_mask.sum(1).tolist(), chunk.response_mask.sum(1).tolist(), chunk.group_size if shared else 1
-        )
-        if train.max_tokens_per_microbatch is None:
-            return micro_batches.by_count(units, train.microbatch_size)
-        padded = layout == "padded"
-        parts = micro_batches.by_budget(units, train.max_tokens_per_microbatch, padded=padded, shared_prompt=shared)
-        if same_count_on_every_rank and self.dp_size > 1:
-            count = int(self._global_max(float(len(parts))))
-            parts = micro_batches.by_budget_in_exactly(units, count, padded=padded, shared_prompt=shared)
-        return micro_batches.sample_ranges(parts)
-
-    def _forward_layout(self, part: RolloutBatch, group_size: int) -> ForwardLayout:
-        """The layout (``train.sequence_layout``) of one micro-batch's samples, on the samples' device."""
-        tensors = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
-        layout = self.config.sequence_layout
-        if layout == "padded":
-            return padded_layout(*tensors)
-        flash = self.config.train.attn_implementation == "flash_attention_2"
-        return block_layout(
-            *tensors,
-            group_size=group_size,
-            shared_prompt=layout == "shared_prompt",
-            pad_token_id=self.pad_token_id,
-            mask_dtype=None if flash else self.dtype,
-        )
-
-    def _forward_terms(
-        self,
-        model: torch.nn.Module,
-        part: RolloutBatch,
-        group_size: int,
-        head_weight: torch.Tensor | None,
-        *,
-        with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, ForwardLayout]:
-        """One forward of ``model`` over a micro-batch in its layout: (log-probs [n, R], entropy or None, layout)."""
-        from colossal_rl.training.plugins import gather_vocab_parallel_logits
-
-        forward = self._forward_layout(part, group_size)
-        outputs = model(**forward.inputs).logits
-        if head_weight is None and self.tp_group is not None:
-            outputs = gather_vocab_parallel_logits(outputs, self.tp_group, self.vocab_size)
-        logprobs, entropy = forward.response_terms(
-            outputs,
-            part.response_ids,
-            temperature=self.config.generation.temperature,
-            head_weight=head_weight,
-            with_entropy=with_entropy,
-        )
-        return logprobs, entropy, forward
 
     def _pipeline_logprobs_no_grad(
         self, model: torch.nn.Module, chunk: RolloutBatch, head_weight: torch.Tensor | None
@@ -345,7 +264,7 @@ class Trainer:
         def criterion(outputs, inputs) -> torch.Tensor:
             start = next(starts)
             part = chunk.sample_range(start, start + micro)
-            parts.append(self._response_terms(outputs.logits, head_weight, part, with_entropy=False)[0])
+            parts.append(self.micro_forward.padded_terms(outputs.logits, head_weight, part, with_entropy=False)[0])
             return parts[-1].new_zeros(())
 
         inputs = model_inputs(*chunk.sequences())
@@ -362,10 +281,11 @@ class Trainer:
         dist.all_reduce(tensor, group=self.dp_group)
         return tensor.cpu().tolist()
 
-    def _global_max(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+    def _global_max(self, value: int) -> int:
+        """Maximum over the data-parallel ranks, carried on this rank's device."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return float(tensor.item())
+        return int(tensor.item())
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on ``batch``: forward/backward over its samples, then the update.
@@ -421,10 +341,10 @@ class Trainer:
 
         Returns the chunk's log-probs before the update [n, R] (detached)."""
         captured = []
-        for start, stop in self._micro_ranges(chunk, same_count_on_every_rank=True):
+        for start, stop in self.micro_forward.micro_ranges(chunk, same_count_on_every_rank=True):
             part = chunk.sample_range(start, stop)
-            with self._output_head(self.model) as head_weight:
-                new_logprobs, entropy, forward = self._forward_terms(
+            with self.micro_forward.output_head(self.model) as head_weight:
+                new_logprobs, entropy, forward = self.micro_forward.terms(
                     self.model, part, chunk.group_size, head_weight, with_entropy=True
                 )
                 part_ref = None if ref_logprobs is None else ref_logprobs[start:stop]
@@ -449,7 +369,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, log-probs) of samples [start, start + size) of ``chunk`` from their padded forward's ``outputs``."""
         part = chunk.sample_range(start, start + size)
-        new_logprobs, entropy = self._response_terms(outputs, head_weight, part, with_entropy=True)
+        new_logprobs, entropy = self.micro_forward.padded_terms(outputs, head_weight, part, with_entropy=True)
         part_ref = None if ref_logprobs is None else ref_logprobs[start : start + size]
         loss = self.micro_batch_loss(
             new_logprobs, entropy, part, part_ref, context.counts, context.step_samples, context.totals
@@ -480,7 +400,7 @@ class Trainer:
         starts = iter(range(0, chunk.num_samples, micro))
         captured: list[torch.Tensor] = []
 
-        with self._output_head(self.model) as head_weight:
+        with self.micro_forward.output_head(self.model) as head_weight:
 
             def criterion(outputs, inputs) -> torch.Tensor:
                 loss, new_logprobs = self._part_loss(

@@ -1,0 +1,131 @@
+"""One micro-batch's policy forward, in the configured sequence layout: the trainer's model-facing half.
+
+Decides the micro-batches of a chunk (``training/micro_batches.py``), lays each out
+(``training/sequence_layout.py``: padded, packed or shared-prompt), runs the model, gathers vocabulary-sharded
+logits under tensor parallelism, and turns the outputs into per-sample response log-probs [n, R] and entropy.
+Whether the output head runs inside the model (full logits) or chunk by chunk from hidden states is
+decided here too (:meth:`MicroBatchForward.output_head`). No loss, no optimizer; the one collective is the
+data-parallel maximum of micro-batch counts, reached through the ``max_over_ranks`` callback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from colossal_rl.batch import RolloutBatch
+from colossal_rl.config import RLConfig
+from colossal_rl.training import micro_batches
+from colossal_rl.training.policy_forward import output_head_returns_hidden, response_terms
+from colossal_rl.training.sequence_layout import ForwardLayout, block_layout, padded_layout
+
+
+class MicroBatchForward:
+    def __init__(
+        self,
+        config: RLConfig,
+        *,
+        dtype: torch.dtype,
+        pad_token_id: int,
+        tp_group: torch.distributed.ProcessGroup | None,
+        vocab_size: int,
+        max_over_ranks: Callable[[int], int] | None,
+    ):
+        """``tp_group``: set when logits come vocabulary-sharded (tensor parallelism). ``max_over_ranks``: the
+        maximum of an int over the data-parallel ranks (None: a single data-parallel rank)."""
+        self.config = config
+        self.layout = config.sequence_layout
+        self.dtype = dtype
+        self.pad_token_id = pad_token_id
+        self.tp_group = tp_group
+        self.vocab_size = vocab_size
+        self.max_over_ranks = max_over_ranks
+
+    @contextlib.contextmanager
+    def output_head(self, model: torch.nn.Module) -> Iterator[torch.Tensor | None]:
+        """Yields the output head's weight when log-probs come from hidden states, else None (full logits)."""
+        if self.config.train.logits_from_hidden and self.tp_group is None:
+            with output_head_returns_hidden(model) as weight:
+                yield weight
+        else:
+            yield None
+
+    def micro_ranges(self, chunk: RolloutBatch, *, same_count_on_every_rank: bool) -> list[tuple[int, int]]:
+        """Sample ranges of ``chunk``'s micro-batches: ``train.microbatch_size`` samples each, or within
+        ``train.max_tokens_per_microbatch`` tokens (whole groups under shared_prompt).
+        ``same_count_on_every_rank``: a budgeted plan gets the data-parallel ranks' largest count (each backward
+        all-reduces gradients, so every rank must run as many)."""
+        train = self.config.train
+        shared, padded = self.layout == "shared_prompt", self.layout == "padded"
+        units = micro_batches.make_units(
+            chunk.prompt_mask.sum(1).tolist(), chunk.response_mask.sum(1).tolist(), chunk.group_size if shared else 1
+        )
+        if train.max_tokens_per_microbatch is None:
+            return micro_batches.by_count(units, train.microbatch_size)
+        parts = micro_batches.by_budget(units, train.max_tokens_per_microbatch, padded=padded, shared_prompt=shared)
+        if same_count_on_every_rank and self.max_over_ranks is not None:
+            count = self.max_over_ranks(len(parts))
+            parts = micro_batches.by_budget_in_exactly(units, count, padded=padded, shared_prompt=shared)
+        return micro_batches.sample_ranges(parts)
+
+    def layout_of(self, part: RolloutBatch, group_size: int) -> ForwardLayout:
+        """The layout of one micro-batch's samples, built on the samples' device."""
+        tensors = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+        if self.layout == "padded":
+            return padded_layout(*tensors)
+        flash = self.config.train.attn_implementation == "flash_attention_2"
+        return block_layout(
+            *tensors,
+            group_size=group_size,
+            shared_prompt=self.layout == "shared_prompt",
+            pad_token_id=self.pad_token_id,
+            mask_dtype=None if flash else self.dtype,
+        )
+
+    def terms(
+        self,
+        model: torch.nn.Module,
+        part: RolloutBatch,
+        group_size: int,
+        head_weight: torch.Tensor | None,
+        *,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, ForwardLayout]:
+        """One forward of ``model`` over a micro-batch in its layout: (log-probs [n, R], entropy or None, layout).
+
+        ``group_size``: samples per prompt group of the chunk ``part`` comes from (``part`` starts at a group).
+        """
+        forward = self.layout_of(part, group_size)
+        outputs = self._full_vocabulary(model(**forward.inputs).logits, head_weight)
+        logprobs, entropy = forward.response_terms(
+            outputs,
+            part.response_ids,
+            temperature=self.config.generation.temperature,
+            head_weight=head_weight,
+            with_entropy=with_entropy,
+        )
+        return logprobs, entropy, forward
+
+    def padded_terms(
+        self, outputs: torch.Tensor, head_weight: torch.Tensor | None, batch: RolloutBatch, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs, entropy) of ``batch``'s responses from the outputs of a forward over its padded
+        ``[prompt | response]`` rows (the pipeline schedule's forward)."""
+        return response_terms(
+            self._full_vocabulary(outputs, head_weight),
+            prompt_length=batch.prompt_ids.shape[1],
+            response_ids=batch.response_ids,
+            temperature=self.config.generation.temperature,
+            head_weight=head_weight,
+            with_entropy=with_entropy,
+        )
+
+    def _full_vocabulary(self, outputs: torch.Tensor, head_weight: torch.Tensor | None) -> torch.Tensor:
+        """Logits with every vocabulary entry (gathered from the tensor-parallel shards), or hidden states as is."""
+        if head_weight is not None or self.tp_group is None:
+            return outputs
+        from colossal_rl.training.plugins import gather_vocab_parallel_logits
+
+        return gather_vocab_parallel_logits(outputs, self.tp_group, self.vocab_size)
