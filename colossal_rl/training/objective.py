@@ -13,6 +13,7 @@ from colossal_rl.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
+    PolicyLossOutput,
     masked_mean,
     off_policy_metrics,
     skip_threshold_mask,
@@ -97,15 +98,22 @@ def policy_objective(
         global_sample_count=global_sample_count,
         max_response_length=max_response_length,
     )
-    metrics["train/clip_fraction"] = masked_mean(output.clipped.float(), mask)
-    metrics["train/clip_fraction_low"] = masked_mean(output.clipped_low.float(), mask)
-    metrics["train/clip_fraction_high"] = masked_mean(output.clipped_high.float(), mask)
-    metrics["train/dual_clip_fraction"] = masked_mean(output.dual_clipped.float(), mask)
-    metrics["train/ratio_mean"] = masked_mean(output.ratio, mask)
-    metrics["train/ratio_max"] = (
-        torch.where(mask, output.ratio, 0.0).max() if mask.any() else output.ratio.new_zeros(())
-    )
-    # verl's ppo_kl: mean over tokens of log pi_old - log pi_new, the k1 estimate of KL(old || new).
-    metrics["train/ppo_kl"] = masked_mean((old_logprobs - new_logprobs).detach(), mask)
+    metrics.update(_ratio_metrics(output, new_logprobs, old_logprobs, mask))
     metrics.update(off_policy_metrics(old_logprobs, behaviour_logprobs, mask, algo.truncated_is_cap))
     return loss, metrics
+
+
+def _ratio_metrics(
+    output: PolicyLossOutput, new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Clip fractions, ratio mean and maximum, and verl's ``ppo_kl`` over the loss tokens ``mask`` [B, T]."""
+    return {
+        "train/clip_fraction": masked_mean(output.clipped.float(), mask),
+        "train/clip_fraction_low": masked_mean(output.clipped_low.float(), mask),
+        "train/clip_fraction_high": masked_mean(output.clipped_high.float(), mask),
+        "train/dual_clip_fraction": masked_mean(output.dual_clipped.float(), mask),
+        "train/ratio_mean": masked_mean(output.ratio, mask),
+        "train/ratio_max": torch.where(mask, output.ratio, 0.0).max() if mask.any() else output.ratio.new_zeros(()),
+        # log pi_old - log pi_new averaged over tokens: the k1 estimate of KL(old || new).
+        "train/ppo_kl": masked_mean((old_logprobs - new_logprobs).detach(), mask),
+    }
