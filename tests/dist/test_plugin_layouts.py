@@ -139,7 +139,8 @@ def make_config(parallel: ParallelConfig) -> RLConfig:
 
 
 def make_batches(vocab_size: int, pad_token_id: int) -> list[RolloutBatch]:
-    """NUM_STEPS fixed batches of NUM_GROUPS groups: left-padded prompts, right-padded responses, varied lengths."""
+    """NUM_STEPS fixed batches of NUM_GROUPS groups: left-padded prompts (one per group, as the producers make
+    them; the default sequence layout shares it), right-padded responses, varied lengths."""
     generator = torch.Generator().manual_seed(1234)
     batches = []
     for step in range(NUM_STEPS):
@@ -150,9 +151,11 @@ def make_batches(vocab_size: int, pad_token_id: int) -> list[RolloutBatch]:
         response_ids = torch.full((n, response_len), pad_token_id)
         response_mask = torch.zeros((n, response_len), dtype=torch.long)
         for i in range(n):
-            p = int(torch.randint(2, prompt_len + 1, (1,), generator=generator))
+            if i % GROUP_SIZE == 0:
+                p = int(torch.randint(2, prompt_len + 1, (1,), generator=generator))
+                prompt = torch.randint(1, vocab_size, (p,), generator=generator)
             r = int(torch.randint(1, response_len + 1, (1,), generator=generator))
-            prompt_ids[i, prompt_len - p :] = torch.randint(1, vocab_size, (p,), generator=generator)
+            prompt_ids[i, prompt_len - p :] = prompt
             prompt_mask[i, prompt_len - p :] = 1
             response_ids[i, :r] = torch.randint(1, vocab_size, (r,), generator=generator)
             response_mask[i, :r] = 1

@@ -54,7 +54,8 @@ def _batch(vocab_size: int, pad_token_id: int):
     response_mask = torch.ones((n, response_len), dtype=torch.long)
     response_mask[::2, 3:] = 0
     return RolloutBatch(
-        prompt_ids=torch.randint(1, vocab_size, (n, prompt_len), generator=generator),
+        # one prompt per group of 4, as producers make them (the default sequence layout shares it)
+        prompt_ids=torch.randint(1, vocab_size, (n // 4, prompt_len), generator=generator).repeat_interleave(4, 0),
         prompt_mask=torch.ones((n, prompt_len), dtype=torch.long),
         response_ids=torch.randint(1, vocab_size, (n, response_len), generator=generator).masked_fill(
             response_mask == 0, pad_token_id
