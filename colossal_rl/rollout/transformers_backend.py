@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
+from colossal_rl.rollout.decoding import StopStringWatch, sample_responses
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ def cut_at_stop_strings(
 
 
 class TransformersBackend:
-    """Samples with ``model.generate``; behaviour log-probs are log-softmax(raw logits / temperature)."""
+    """Samples token by token (``rollout/decoding.py``: prefill once per prompt, memory O(N·R));
+    behaviour log-probs are log-softmax(raw logits / temperature)."""
 
     def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, *, trust_remote_code: bool = False):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -78,28 +80,23 @@ class TransformersBackend:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
-        repeated = [p for p in prompts for _ in range(num_samples)]
-        prompt_ids, prompt_mask = left_pad(repeated, self.pad_token_id)
-        kwargs = dict(
-            max_new_tokens=sampling.max_new_tokens,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-        if sampling.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-        else:
-            kwargs.update(
-                do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p
-            )
+        unique_ids, unique_mask = left_pad(prompts, self.pad_token_id)
+        stop_watch = None
         if sampling.stop_strings:
-            kwargs.update(stop_strings=list(sampling.stop_strings), tokenizer=self.tokenizer)
-        output = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
-        response_ids = output.sequences[:, prompt_ids.shape[1] :]
-        temperature = 1.0 if sampling.greedy else sampling.temperature
-        logits = torch.stack(output.logits, dim=1).float() / temperature  # [N, R, V]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+            stop_watch = StopStringWatch(self.tokenizer, sampling.stop_strings, len(prompts) * num_samples)
+        decoded = sample_responses(
+            self.model,
+            unique_ids,
+            unique_mask,
+            num_samples,
+            sampling,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            stop_watch=stop_watch,
+        )
+        prompt_ids = unique_ids.repeat_interleave(num_samples, dim=0)
+        prompt_mask = unique_mask.repeat_interleave(num_samples, dim=0)
+        response_ids, logprobs = decoded.response_ids, decoded.logprobs
         mask, truncated = response_mask_until_eos(response_ids, self.eos_token_ids)
         mask, truncated = cut_at_stop_strings(self.tokenizer, response_ids, mask, truncated, sampling.stop_strings)
         response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, self.pad_token_id))

@@ -1,0 +1,161 @@
+"""The transformers producer's sampling: our token-by-token loop vs ``model.generate(output_logits=True)``.
+
+The baseline is what the backend did before: ``generate`` over every prompt repeated ``-g`` times, every
+step's logits kept, stacked to ``[N, R, V]`` float32 for the sampled tokens' log-probabilities. Ours
+(``colossal_rl/rollout/decoding.py``) prefills each prompt once, shares its cache across the group, keeps one
+log-probability per token and drops finished rows from the batch.
+
+Two measurements, side by side in one run:
+
+- **time** on the embedded model with the default run's rollout shape (16 prompts x 8 samples, the default
+  system prompt, ``-mnt 16``) and the long-response shape (``-s "Add." -mnt 64``); methods alternate rep by rep
+  and the median is reported, with the ratio ours / generate;
+- **peak memory** (growth of the process's peak RSS, each method in a fresh subprocess) for a random 2-layer
+  Qwen2 with Qwen's 151,936-token vocabulary, 16 samples x R tokens.
+
+    python benchmarks/producer_decoding.py [--reps 5] [--threads 2] [--memory-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+SHAPES = {
+    "default": (None, 16),  # (system prompt override, max_new_tokens)
+    "long_responses": ("Add.", 64),
+}
+
+
+def prompts_of_shape(tokenizer, system_prompt: str | None, count: int) -> list[list[int]]:
+    """The first ``count`` prompts of the embedded training data, encoded as the producer encodes them."""
+    from colossal_rl.config import EMBEDDED_TRAIN_DATA, RLConfig
+    from colossal_rl.data import load_prompt_dataset
+    from colossal_rl.prompts import system_prompt_for
+
+    config = RLConfig()
+    system = system_prompt_for(config.reward.reward_type, system_prompt or config.data.system_prompt)
+    return load_prompt_dataset(EMBEDDED_TRAIN_DATA, tokenizer, system, 10_000).prompt_ids[:count]
+
+
+def generate_with_output_logits(backend, prompts, num_samples, sampling):
+    """The old path: generate keeps every step's logits; log-probs from the stacked [N, R, V] tensor."""
+    from colossal_rl.rollout.transformers_backend import left_pad
+
+    repeated = [p for p in prompts for _ in range(num_samples)]
+    ids, mask = left_pad(repeated, backend.pad_token_id)
+    with torch.no_grad():
+        output = backend.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=backend.pad_token_id,
+            eos_token_id=backend.eos_token_ids,
+            return_dict_in_generate=True,
+            output_logits=True,
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_k=0,
+            top_p=1.0,
+        )
+        responses = output.sequences[:, ids.shape[1] :]
+        logits = torch.stack(output.logits, dim=1).float() / sampling.temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def time_shapes(reps: int) -> None:
+    from colossal_rl.config import EMBEDDED_MODEL_DIR
+    from colossal_rl.rollout.backend import SamplingSettings
+    from colossal_rl.rollout.transformers_backend import TransformersBackend
+
+    backend = TransformersBackend(str(EMBEDDED_MODEL_DIR))
+    print(f"{'shape':<16}{'prompt tokens':>14}{'generate s':>12}{'ours s':>10}{'ours/generate':>15}")
+    for shape, (system_prompt, max_new_tokens) in SHAPES.items():
+        prompts = prompts_of_shape(backend.tokenizer, system_prompt, 16)
+        sampling = SamplingSettings(temperature=1.0, max_new_tokens=max_new_tokens)
+        methods = {
+            "generate": lambda: generate_with_output_logits(backend, prompts, 8, sampling),  # noqa: B023
+            "ours": lambda: backend.generate(prompts, 8, sampling),  # noqa: B023
+        }
+        times = {name: [] for name in methods}
+        for rep in range(reps + 1):
+            for name, run in methods.items():
+                torch.manual_seed(rep)
+                start = time.perf_counter()
+                run()
+                if rep:  # the first rep warms up
+                    times[name].append(time.perf_counter() - start)
+        old, ours = statistics.median(times["generate"]), statistics.median(times["ours"])
+        mean_prompt = sum(map(len, prompts)) / len(prompts)
+        print(f"{shape:<16}{mean_prompt:>14.0f}{old:>12.3f}{ours:>10.3f}{ours / old:>15.2f}")
+
+
+MEMORY_PROBE = textwrap.dedent(
+    """
+    import resource, sys
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from colossal_rl.rollout.backend import SamplingSettings
+    from colossal_rl.rollout.decoding import sample_responses
+
+    method, new_tokens = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    vocab, prompts, samples = 151936, 2, 8
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).eval()
+    ids = torch.randint(1, vocab, (prompts, 20))
+    mask = torch.ones_like(ids)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.no_grad():
+        if method == "ours":
+            settings = SamplingSettings(temperature=1.0, max_new_tokens=new_tokens)
+            sample_responses(model, ids, mask, samples, settings, eos_token_ids=[-1], pad_token_id=0)
+        else:
+            out = model.generate(input_ids=ids.repeat_interleave(samples, 0), attention_mask=mask.repeat_interleave(samples, 0),
+                                 do_sample=True, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+            responses = out.sequences[:, ids.shape[1]:]
+            torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, responses.unsqueeze(-1))
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+    """
+)
+
+
+def peak_memory(tokens: list[int]) -> None:
+    print("\npeak RSS growth, 2-layer Qwen2 with a 151,936-token vocabulary, 16 samples (MB)")
+    print(f"{'response tokens':<16}{'[N,R,V] fp32 MB':>16}{'generate':>10}{'ours':>8}{'generate/ours':>15}")
+    for new_tokens in tokens:
+        growth = {}
+        for method in ("generate", "ours"):
+            result = subprocess.run(
+                [sys.executable, "-c", MEMORY_PROBE, method, str(new_tokens)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            growth[method] = float(result.stdout.strip().splitlines()[-1])
+        stacked = 16 * new_tokens * 151936 * 4 / 2**20
+        ratio = growth["generate"] / max(growth["ours"], 1.0)
+        print(f"{new_tokens:<16}{stacked:>16.0f}{growth['generate']:>10.0f}{growth['ours']:>8.0f}{ratio:>15.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--memory-tokens", type=int, nargs="+", default=[16, 64, 256])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    time_shapes(args.reps)
+    peak_memory(args.memory_tokens)
+
+
+if __name__ == "__main__":
+    main()
