@@ -16,6 +16,7 @@ import torch
 
 from colossal_rl.batch import RolloutBatch, concat_batches
 from colossal_rl.comm.buffer import Assignment, BufferSnapshot, RoundBuffer
+from colossal_rl.comm.token_balance import group_token_costs
 from colossal_rl.config import RLConfig
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,16 @@ class BufferActor:
             self._changed = asyncio.Condition()
         return self._changed
 
-    async def put(self, round_index: int, producer_rank: int, payload: list, num_groups: int, version: int) -> None:
-        self._buffer.put(round_index, producer_rank, payload[0] if payload else None, num_groups, version)
+    async def put(
+        self,
+        round_index: int,
+        producer_rank: int,
+        payload: list,
+        num_groups: int,
+        version: int,
+        group_tokens: tuple[int, ...] = (),
+    ) -> None:
+        self._buffer.put(round_index, producer_rank, payload[0] if payload else None, num_groups, version, group_tokens)
         async with self._condition():
             self._condition().notify_all()
 
@@ -167,8 +176,10 @@ class ProducerActor:
         with self.producer.phases.record("put"):
             payload = [ray.put(batch)] if batch is not None else []
             groups = batch.num_groups if batch is not None else 0
+            shared_prompt = self.config.sequence_layout == "shared_prompt"
+            costs = tuple(group_token_costs(batch, shared_prompt=shared_prompt)) if batch is not None else ()
             ray.get(
-                buffer.put.remote(round_index, self.rank, payload, groups, self.producer.policy_version),
+                buffer.put.remote(round_index, self.rank, payload, groups, self.producer.policy_version, costs),
                 timeout=self.config.run.timeout_s,
             )
         metrics["rollout/policy_version"] = self.producer.policy_version

@@ -4,7 +4,9 @@ Producers register their batches (a handle to the payload in Ray's object store,
 payload itself) per round. When every producer has delivered round ``r``, the round's groups
 join a pool in (round, producer, group) order; the pool is cut into whole optimizer steps of
 ``dp_size * groups_per_step`` groups and dealt round-robin to the ranks, so every rank runs the
-same number of steps. Every data-parallel rank may have several takers (its tensor- and
+same number of steps. Within a step, groups whose token costs the producers reported are dealt so that every
+rank computes about as many tokens (``token_balance.py``); without costs, rank ``d`` takes the ``d``-th
+contiguous slice. Every data-parallel rank may have several takers (its tensor- and
 pipeline-parallel ranks, ``takers_per_rank``): each of them gets the same assignment. Groups left over (possible when filtering drops groups) wait for the
 next round; groups whose policy version is more than ``n_behind`` versions older than the
 trainers' are dropped and counted. Plain class: the Ray shell lives in ``colossal_rl/actors.py``.
@@ -16,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from colossal_rl.comm.token_balance import balanced_parts
+
 
 @dataclass(frozen=True)
 class GroupRef:
@@ -25,6 +29,8 @@ class GroupRef:
     group_index: int
     policy_version: int
     round_index: int
+    tokens: int = 0
+    """Tokens the trainer's forward computes for this group (0: not reported)."""
 
 
 @dataclass(frozen=True)
@@ -42,15 +48,16 @@ class Assignment:
 class BufferSnapshot:
     """Everything the buffer holds between rounds, with each distinct payload listed once.
 
-    ``rounds``: round -> producer -> (payload index, num groups, policy version), rounds delivered but
-    not dealt yet; ``pool``: (payload index, group index, policy version, round) of carried-over groups.
+    ``rounds``: round -> producer -> (payload index, num groups, policy version, group token costs), rounds
+    delivered but not dealt yet; ``pool``: (payload index, group index, policy version, round, tokens) of
+    carried-over groups. Snapshots written before token costs existed (3- and 4-tuples) restore with costs 0.
     A checkpoint stores the payloads themselves, so a resumed run trains on exactly the rollouts the
     interrupted one had already generated.
     """
 
     payloads: list[Any]
-    rounds: dict[int, dict[int, tuple[int, int, int]]]
-    pool: list[tuple[int, int, int, int]]
+    rounds: dict[int, dict[int, tuple]]
+    pool: list[tuple]
     last_dealt_round: int
     dropped_stale_groups: int
 
@@ -67,7 +74,8 @@ class BufferSnapshot:
 
 @dataclass
 class _RoundState:
-    deliveries: dict[int, tuple[Any, int, int]] = field(default_factory=dict)  # producer -> (payload, groups, version)
+    # producer -> (payload, groups, version, per-group token costs or ())
+    deliveries: dict[int, tuple[Any, int, int, tuple[int, ...]]] = field(default_factory=dict)
 
 
 class RoundBuffer:
@@ -89,13 +97,24 @@ class RoundBuffer:
         self.dropped_stale_groups = 0
         self._last_dealt_round = -1
 
-    def put(self, round_index: int, producer_rank: int, payload: Any, num_groups: int, policy_version: int) -> None:
+    def put(
+        self,
+        round_index: int,
+        producer_rank: int,
+        payload: Any,
+        num_groups: int,
+        policy_version: int,
+        group_tokens: tuple[int, ...] = (),
+    ) -> None:
+        """Register a producer's batch of ``num_groups`` groups; ``group_tokens``: each group's token cost."""
+        if group_tokens and len(group_tokens) != num_groups:
+            raise ValueError(f"producer {producer_rank}: {len(group_tokens)} token costs for {num_groups} groups")
         if round_index <= self._last_dealt_round:
             raise ValueError(f"round {round_index} was already dealt out; producer {producer_rank} delivered late")
         state = self._rounds.setdefault(round_index, _RoundState())
         if producer_rank in state.deliveries:
             raise ValueError(f"producer {producer_rank} delivered round {round_index} twice")
-        state.deliveries[producer_rank] = (payload, num_groups, policy_version)
+        state.deliveries[producer_rank] = (payload, num_groups, policy_version, tuple(group_tokens))
 
     def is_complete(self, round_index: int) -> bool:
         if round_index in self._assignments:
@@ -129,19 +148,22 @@ class RoundBuffer:
         self._last_dealt_round = round_index
         carried = len(self._pool)
         for producer in sorted(state.deliveries):
-            payload, num_groups, version = state.deliveries[producer]
-            self._pool.extend(GroupRef(payload, g, version, round_index) for g in range(num_groups))
+            payload, num_groups, version, tokens = state.deliveries[producer]
+            self._pool.extend(
+                GroupRef(payload, g, version, round_index, tokens[g] if tokens else 0) for g in range(num_groups)
+            )
         fresh = [g for g in self._pool if trainer_version - g.policy_version <= self.n_behind]
         dropped = len(self._pool) - len(fresh)
         self.dropped_stale_groups += dropped
         per_step = self.dp_size * self.groups_per_step
         num_steps = len(fresh) // per_step
         dealt, self._pool = fresh[: num_steps * per_step], fresh[num_steps * per_step :]
+        shares = self._rank_shares(dealt)
         self._assignments[round_index] = {
             rank: Assignment(
                 round_index=round_index,
                 num_steps=num_steps,
-                groups=self._rank_share(dealt, rank),
+                groups=shares[rank],
                 dropped_stale_groups=dropped,
                 carried_over_groups=carried,
             )
@@ -149,13 +171,20 @@ class RoundBuffer:
         }
         self._takes_left[round_index] = dict.fromkeys(range(self.dp_size), self.takers_per_rank)
 
-    def _rank_share(self, dealt: list[GroupRef], rank: int) -> list[GroupRef]:
-        """Step-major: step s of rank d trains groups [s*per_step + d*gps, ... + gps)."""
+    def _rank_shares(self, dealt: list[GroupRef]) -> list[list[GroupRef]]:
+        """Step-major shares: each step's ``dp_size * gps`` groups split into ``gps`` per rank, balanced by token
+        cost when every group has one, else rank d taking groups [d*gps, (d+1)*gps) of the step."""
         gps, per_step = self.groups_per_step, self.dp_size * self.groups_per_step
-        share = []
+        shares: list[list[GroupRef]] = [[] for _ in range(self.dp_size)]
         for step_start in range(0, len(dealt), per_step):
-            share.extend(dealt[step_start + rank * gps : step_start + (rank + 1) * gps])
-        return share
+            step = dealt[step_start : step_start + per_step]
+            if self.dp_size > 1 and all(group.tokens > 0 for group in step):
+                parts = balanced_parts([group.tokens for group in step], self.dp_size)
+            else:
+                parts = [list(range(rank * gps, (rank + 1) * gps)) for rank in range(self.dp_size)]
+            for rank, part in enumerate(parts):
+                shares[rank].extend(step[i] for i in part)
+        return shares
 
     def pooled_groups(self) -> int:
         return len(self._pool)
@@ -174,10 +203,13 @@ class RoundBuffer:
             return index_of[id(payload)]
 
         rounds = {
-            r: {p: (index(payload), groups, version) for p, (payload, groups, version) in state.deliveries.items()}
+            r: {
+                p: (index(payload), groups, version, tokens)
+                for p, (payload, groups, version, tokens) in state.deliveries.items()
+            }
             for r, state in self._rounds.items()
         }
-        pool = [(index(g.payload), g.group_index, g.policy_version, g.round_index) for g in self._pool]
+        pool = [(index(g.payload), g.group_index, g.policy_version, g.round_index, g.tokens) for g in self._pool]
         return BufferSnapshot(payloads, rounds, pool, self._last_dealt_round, self.dropped_stale_groups)
 
     def restore(self, snapshot: BufferSnapshot) -> None:
@@ -187,8 +219,8 @@ class RoundBuffer:
         payloads = snapshot.payloads
         for r, deliveries in snapshot.rounds.items():
             state = self._rounds.setdefault(r, _RoundState())
-            for p, (i, groups, version) in deliveries.items():
-                state.deliveries[p] = (payloads[i], groups, version)
-        self._pool = [GroupRef(payloads[i], g, version, r) for i, g, version, r in snapshot.pool]
+            for p, (i, groups, version, *tokens) in deliveries.items():
+                state.deliveries[p] = (payloads[i], groups, version, tuple(tokens[0]) if tokens else ())
+        self._pool = [GroupRef(payloads[entry[0]], *entry[1:]) for entry in snapshot.pool]
         self._last_dealt_round = snapshot.last_dealt_round
         self.dropped_stale_groups = snapshot.dropped_stale_groups

@@ -251,7 +251,9 @@ class Trainer:
             parts = []
             for start, stop in self.micro_forward.micro_ranges(chunk, same_count_on_every_rank=False):
                 part = chunk.sample_range(start, stop)
-                parts.append(self.micro_forward.terms(model, part, chunk.group_size, head_weight, with_entropy=False)[0])
+                parts.append(
+                    self.micro_forward.terms(model, part, chunk.group_size, head_weight, with_entropy=False)[0]
+                )
             return torch.cat(parts)
 
     def _pipeline_logprobs_no_grad(
@@ -301,11 +303,14 @@ class Trainer:
         (None off the last pipeline stage)."""
         started = time.perf_counter()
         self.model.train()
-        counts = tuple(
-            max(count, 1.0)
-            for count in self._global_sums([float(batch.trained_token_mask().sum()), float(batch.loss_mask.sum())])
+        rank_tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())
+        *counts, all_tokens = self._global_sums(
+            [float(batch.trained_token_mask().sum()), float(batch.loss_mask.sum()), float(rank_tokens)]
         )
+        counts = tuple(max(count, 1.0) for count in counts)
         totals: dict[str, float] = {}
+        if self.dp_size > 1:  # the slowest rank sets the step's pace: max / mean of the ranks' real tokens
+            totals["train/dp_token_imbalance"] = self._global_max(rank_tokens) * self.dp_size / max(all_tokens, 1.0)
         context = _StepContext(counts=counts, step_samples=batch.num_samples, totals=totals)
         new_logprobs: list[torch.Tensor | None] = []
         with self.phases.record("forward_backward"):

@@ -74,6 +74,10 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(math.isfinite(r["train/loss"]) for r in train)
     assert all(0.0 <= r["train/reward"] <= 1.0 for r in train)
+    # The producers report group token costs and the buffer deals by them: the two ranks' tokens stay close.
+    assert all(1.0 <= r["train/dp_token_imbalance"] < 1.25 for r in train), [
+        r["train/dp_token_imbalance"] for r in train
+    ]
     versions = [r["rollout/policy_version"] for r in records if r["kind"] == "rollout"]
     assert versions == [0, 0, 0, 0]  # rounds 0 and 1 are sampled before the first sync (n_behind = 1)
     staleness = [r["train/staleness"] for r in train]
