@@ -23,7 +23,16 @@ sum of the rounds; TRL: ``trainer.train()``), samples/s and generated tokens/s o
 greedy eval accuracy before -> after, mean train reward over the last quarter of the steps. The last
 line gives ours/TRL ratios (samples/s, end-to-end wall: TRL's over ours) and both final accuracies.
 
-    python benchmarks/vs_trl.py [--models tiny,medium] [--steps N] [--seed 0] [--quick] [--n-behind 1] [--best '0 -t 2 -tbs 8 -tMbs 8']
+Rollout shapes (``--shape``): ``default`` is the embedded task as ``python rl_example.py`` runs it (the
+reward's ~70-token system prompt, 16 new tokens: prompts ~5x longer than responses); ``long_responses``
+gives both systems the one-word system prompt ``Add.`` and 64 new tokens (prompts of ~14 tokens; the model,
+pre-trained with the long prompt, answers at length), the shape where sharing the prompt saves least.
+Reported too, per run: the training forward's computed / real token ratio (positions computed per real
+prompt + response token, each sample counted on its own): ours from the trainer's metrics, TRL's counted
+by a forward hook on its policy during ``train()`` (the forwards that build the graph).
+
+    python benchmarks/vs_trl.py [--models tiny,medium] [--shape default] [--steps N] [--seeds 0,1,2] [--quick]
+                                [--n-behind 1] [--best '0 -t 2 -tbs 8 -tMbs 8']
 """
 
 from __future__ import annotations
@@ -64,10 +73,19 @@ class Settings:
     max_new_tokens: int = 16
     learning_rate: float = 2e-4
     seed: int = 0
+    system_prompt: str | None = None
+    """None: the reward type's default system prompt."""
 
     @property
     def samples(self) -> int:
         return self.steps * self.prompts_per_step * self.num_generations
+
+
+SHAPES = {
+    "default": {},
+    "long_responses": {"system_prompt": "Add.", "max_new_tokens": 64},
+}
+"""Settings changes per rollout shape (see the module docstring)."""
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -129,6 +147,7 @@ def rl_config(model: str, settings: Settings, n_behind: int, save_dir: str, extr
         *("-tMbs", str(settings.prompts_per_step), "-mnt", str(settings.max_new_tokens)),
         *("-lr", str(settings.learning_rate), "-nb", str(n_behind), "--max-steps", str(settings.steps)),
         *("-ei", "0", "-sd", save_dir, "--seed", str(settings.seed), "-p", "vs_trl"),
+        *(("-s", settings.system_prompt) if settings.system_prompt is not None else ()),
         *extra_flags,
     ]
     return config_from_args(build_parser().parse_args(flags))
@@ -174,10 +193,26 @@ def run_ours(model: str, settings: Settings, n_behind: int, extra_flags: list[st
         "eval_before": summary.eval_accuracy_before["math"],
         "eval_after": summary.eval_accuracy_after["math"],
         "final_reward": statistics.mean(r["train/reward"] for r in last),
+        "computed_per_real": sum(r["train/computed_tokens"] for r in train)
+        / sum(r["train/real_tokens"] for r in train),
     }
 
 
-def trl_dataset(config):
+class TrainingTokenCounter:
+    """Forward pre-hook on TRL's policy: positions computed vs real tokens of the forwards run with grad on."""
+
+    def __init__(self):
+        self.computed = self.real = 0
+
+    def __call__(self, module, args, kwargs):
+        import torch
+
+        if torch.is_grad_enabled() and kwargs.get("attention_mask") is not None:
+            self.computed += kwargs["attention_mask"].numel()
+            self.real += int(kwargs["attention_mask"].sum())
+
+
+def trl_dataset(config, settings: Settings):
     """Prompts as the text of our chat template, verified to encode back to our exact token ids."""
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -186,7 +221,7 @@ def trl_dataset(config):
     from colossal_rl.prompts import system_prompt_for
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    system_prompt = system_prompt_for("boxed", None)
+    system_prompt = system_prompt_for("boxed", settings.system_prompt)
     prompts = load_prompt_dataset(config.data.train_path, tokenizer, system_prompt, config.data.max_prompt_tokens)
     texts = [tokenizer.decode(ids) for ids in prompts.prompt_ids]
     for text, ids in zip(texts, prompts.prompt_ids, strict=True):
@@ -206,7 +241,7 @@ def run_trl(model: str, settings: Settings, eval_before: float | None) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as save_dir:
         config = rl_config(model, settings, 0, save_dir, [])
-    tokenizer, dataset = trl_dataset(config)
+    tokenizer, dataset = trl_dataset(config, settings)
     scorer = build_reward_scorer(reward_type="boxed", code_verifier_url=None, reward_fn=None)
 
     def boxed_reward(prompts, completions, gt_answer, **_) -> list[float]:
@@ -243,6 +278,8 @@ def run_trl(model: str, settings: Settings, eval_before: float | None) -> dict:
             disable_tqdm=True,
         )
         policy = AutoModelForCausalLM.from_pretrained(config.model.path, torch_dtype=torch.float32)
+        counter = TrainingTokenCounter()
+        policy.register_forward_pre_hook(counter, with_kwargs=True)
         trainer = GRPOTrainer(
             model=policy,
             reward_funcs=boxed_reward,
@@ -268,6 +305,7 @@ def run_trl(model: str, settings: Settings, eval_before: float | None) -> dict:
         "eval_before": eval_before,
         "eval_after": eval_after,
         "final_reward": statistics.mean(rewards[-max(1, len(rewards) // 4) :]),
+        "computed_per_real": counter.computed / max(counter.real, 1),
     }
 
 
@@ -283,10 +321,10 @@ def _run_child(system: str, model: str, settings: Settings, n_behind: int, flags
     return json.loads(finished.stdout.strip().splitlines()[-1])
 
 
-def _print_row(model: str, system: str, r: dict) -> None:
+def _print_row(model: str, seed: int, system: str, r: dict) -> None:
     print(
-        f"{model:8}{system:8}{r['samples']:8.0f}{r['end_to_end_s']:8.1f}{r['train_s']:9.1f}"
-        f"{r['samples'] / r['train_s']:11.1f}{r['tokens'] / r['train_s']:10.0f}"
+        f"{model:8}{seed:>5} {system:8}{r['samples']:8.0f}{r['end_to_end_s']:8.1f}{r['train_s']:9.1f}"
+        f"{r['samples'] / r['train_s']:11.1f}{r['tokens'] / r['train_s']:10.0f}{r['computed_per_real']:9.2f}"
         f"{r['eval_before']:8.3f}->{r['eval_after']:.3f}{r['final_reward']:8.3f}",
         flush=True,
     )
@@ -295,10 +333,11 @@ def _print_row(model: str, system: str, r: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="default", help="rollout shape (see above)")
     parser.add_argument(
         "--steps", type=int, help=f"optimizer steps (x 16 prompts x 8 samples) for every model; default {STEPS}"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of both systems (data order, sampling)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds of both systems (data order, sampling)")
     parser.add_argument("--quick", action="store_true", help="tiny model only, no 'best' run")
     parser.add_argument("--n-behind", type=int, default=1, help="our producers' allowed staleness (plain run)")
     parser.add_argument("--ours-flags", default="", help="extra rl_example.py flags for our plain run")
@@ -323,46 +362,49 @@ def main() -> None:
         return
 
     models = ["tiny"] if args.quick else args.models.split(",")
+    seeds = [int(seed) for seed in args.seeds.split(",")]
     configs = {"ours": (args.n_behind, args.ours_flags)}
     if args.best and not args.quick:
         best_n_behind, _, best_flags = args.best.partition(" ")
         configs["ours*"] = (int(best_n_behind), best_flags)
     steps = {name: args.steps or STEPS[name] for name in models}
-    example = Settings(steps=1)
+    example = Settings(steps=1, **SHAPES[args.shape])
     print(
-        f"steps {steps} x {example.prompts_per_step} prompts x {example.num_generations} samples, "
-        f"{example.max_new_tokens} new tokens, lr {example.learning_rate}, seed {args.seed}, {os.cpu_count()} CPU "
-        "cores; ours: 1 producer + 1 consumer, "
+        f"shape {args.shape}: steps {steps} x {example.prompts_per_step} prompts x {example.num_generations} samples, "
+        f"{example.max_new_tokens} new tokens, system prompt {example.system_prompt or 'default'}, "
+        f"lr {example.learning_rate}, seeds {seeds}, {os.cpu_count()} CPU cores; ours: 1 producer + 1 consumer, "
         + ", ".join(f"{name} n_behind {nb} {flags}".rstrip() for name, (nb, flags) in configs.items()),
         flush=True,
     )
     print(
-        f"{'model':8}{'system':8}{'samples':>8}{'e2e s':>8}{'train s':>9}{'samples/s':>11}{'tokens/s':>10}"
-        f"{'eval before->after':>20}{'reward':>8}",
+        f"{'model':8}{'seed':>5} {'system':8}{'samples':>8}{'e2e s':>8}{'train s':>9}{'samples/s':>11}"
+        f"{'tokens/s':>10}{'comp/real':>9}{'eval before->after':>20}{'reward':>8}",
         flush=True,
     )
-    ratios = []
-    for name in models:
-        path = model_path(name, args.cache_dir.expanduser())
-        settings = Settings(steps=steps[name], seed=args.seed)
-        results = {}
-        systems = [s for s in configs if s == "ours" or name in args.best_models.split(",")]
-        for system in systems:
-            n_behind, flags = configs[system]
-            results[system] = _run_child("ours", path, settings, n_behind, flags)
-            _print_row(name, system, results[system])
-        # Same initial weights and the same greedy evaluation code: TRL's "before" is ours.
-        results["trl"] = _run_child("trl", path, settings, 0, "", results["ours"]["eval_before"])
-        _print_row(name, "trl", results["trl"])
-        trl = results["trl"]
-        for system in systems:
-            ours = results[system]
-            speed = (ours["samples"] / ours["train_s"]) / (trl["samples"] / trl["train_s"])
-            ratios.append(
-                f"{name} {system}: samples/s x{speed:.2f}, wall x{trl['end_to_end_s'] / ours['end_to_end_s']:.2f}, "
-                f"eval {ours['eval_after']:.3f} vs {trl['eval_after']:.3f}"
-            )
-    print(f"ours/TRL ({time.perf_counter() - STARTED:.0f} s total): " + "; ".join(ratios))
+    speedups: dict[str, list[float]] = {}
+    for seed in seeds:
+        for name in models:
+            path = model_path(name, args.cache_dir.expanduser())
+            settings = Settings(steps=steps[name], seed=seed, **SHAPES[args.shape])
+            results = {}
+            systems = [s for s in configs if s == "ours" or name in args.best_models.split(",")]
+            for system in systems:
+                n_behind, flags = configs[system]
+                results[system] = _run_child("ours", path, settings, n_behind, flags)
+                _print_row(name, seed, system, results[system])
+            # Same initial weights and the same greedy evaluation code: TRL's "before" is ours.
+            results["trl"] = _run_child("trl", path, settings, 0, "", results["ours"]["eval_before"])
+            _print_row(name, seed, "trl", results["trl"])
+            trl = results["trl"]
+            for system in systems:
+                ours = results[system]
+                speed = (ours["samples"] / ours["train_s"]) / (trl["samples"] / trl["train_s"])
+                speedups.setdefault(f"{name} {system}", []).append(speed)
+    summary = "; ".join(
+        f"{key}: samples/s x{statistics.mean(values):.2f} (" + ", ".join(f"x{v:.2f}" for v in values) + ")"
+        for key, values in speedups.items()
+    )
+    print(f"ours/TRL over seeds {seeds} ({time.perf_counter() - STARTED:.0f} s total): {summary}")
 
 
 if __name__ == "__main__":
