@@ -10,8 +10,8 @@ Two measurements, side by side in one run:
 - **time** on the embedded model with the default run's rollout shape (16 prompts x 8 samples, the default
   system prompt, ``-mnt 16``) and the long-response shape (``-s "Add." -mnt 64``); methods alternate rep by rep
   and the median is reported, with the ratio ours / generate;
-- **peak memory** (growth of the process's peak RSS, each method in a fresh subprocess) for a random 2-layer
-  Qwen2 with Qwen's 151,936-token vocabulary, 16 samples x R tokens.
+- **peak memory** (peak live CPU allocator bytes inside the call, ``memory_tracker.AllocatorPeak``) for a
+  random 2-layer Qwen2 with Qwen's 151,936-token vocabulary, 16 samples x R tokens.
 
     python benchmarks/producer_decoding.py [--reps 5] [--threads 2] [--memory-tokens 64]
 """
@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import textwrap
 import time
+from pathlib import Path
 
 import torch
 
@@ -96,61 +95,61 @@ def time_shapes(reps: int) -> None:
         print(f"{shape:<16}{mean_prompt:>14.0f}{old:>12.3f}{ours:>10.3f}{ours / old:>15.2f}")
 
 
-MEMORY_PROBE = textwrap.dedent(
-    """
-    import resource, sys
-    import torch
+def peak_memory(tokens: list[int]) -> None:
+    """Peak live CPU allocator bytes (``memory_tracker.AllocatorPeak``) of each method, same model and prompts."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from colossal_rl.rollout.backend import SamplingSettings
     from colossal_rl.rollout.decoding import sample_responses
 
-    method, new_tokens = sys.argv[1], int(sys.argv[2])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from memory_tracker import AllocatorPeak
+
     torch.manual_seed(0)
     vocab, prompts, samples = 151936, 2, 8
-    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config).eval()
     ids = torch.randint(1, vocab, (prompts, 20))
     mask = torch.ones_like(ids)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with torch.no_grad():
-        if method == "ours":
-            settings = SamplingSettings(temperature=1.0, max_new_tokens=new_tokens)
-            sample_responses(model, ids, mask, samples, settings, eos_token_ids=[-1], pad_token_id=0)
-        else:
-            out = model.generate(input_ids=ids.repeat_interleave(samples, 0), attention_mask=mask.repeat_interleave(samples, 0),
-                                 do_sample=True, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 return_dict_in_generate=True, output_logits=True, pad_token_id=0)
-            responses = out.sequences[:, ids.shape[1]:]
-            torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, responses.unsqueeze(-1))
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
-    """
-)
-
-
-def peak_memory(tokens: list[int]) -> None:
-    print("\npeak RSS growth, 2-layer Qwen2 with a 151,936-token vocabulary, 16 samples (MB)")
+    print("\npeak live allocator MB, 2-layer Qwen2 with a 151,936-token vocabulary, 2 prompts x 8 samples")
     print(f"{'response tokens':<16}{'[N,R,V] fp32 MB':>16}{'generate':>10}{'ours':>8}{'generate/ours':>15}")
     for new_tokens in tokens:
-        growth = {}
-        for method in ("generate", "ours"):
-            result = subprocess.run(
-                [sys.executable, "-c", MEMORY_PROBE, method, str(new_tokens)],
-                capture_output=True,
-                text=True,
-                check=True,
+        with AllocatorPeak() as old, torch.no_grad():
+            out = model.generate(
+                input_ids=ids.repeat_interleave(samples, 0),
+                attention_mask=mask.repeat_interleave(samples, 0),
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                return_dict_in_generate=True,
+                output_logits=True,
+                pad_token_id=0,
             )
-            growth[method] = float(result.stdout.strip().splitlines()[-1])
-        stacked = 16 * new_tokens * 151936 * 4 / 2**20
-        ratio = growth["generate"] / max(growth["ours"], 1.0)
-        print(f"{new_tokens:<16}{stacked:>16.0f}{growth['generate']:>10.0f}{growth['ours']:>8.0f}{ratio:>15.1f}")
+            responses = out.sequences[:, ids.shape[1] :]
+            torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, responses.unsqueeze(-1))
+        del out
+        settings = SamplingSettings(temperature=1.0, max_new_tokens=new_tokens)
+        with AllocatorPeak() as ours:
+            sample_responses(model, ids, mask, samples, settings, eos_token_ids=[-1], pad_token_id=0)
+        stacked = prompts * samples * new_tokens * vocab * 4 / 2**20
+        old_mb, ours_mb = old.peak_bytes / 2**20, ours.peak_bytes / 2**20
+        print(f"{new_tokens:<16}{stacked:>16.0f}{old_mb:>10.0f}{ours_mb:>8.0f}{old_mb / ours_mb:>15.1f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--memory-tokens", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--memory-tokens", type=int, nargs="+", default=[16, 64])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     time_shapes(args.reps)

@@ -1,14 +1,12 @@
 """The transformers backend's sampling loop: top-k/top-p against transformers' own warpers, prefill once per
 prompt, stop strings, compaction of finished rows, and memory that does not grow with R x vocabulary."""
 
-import json
-import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import TopKLogitsWarper, TopPLogitsWarper
+from transformers import Qwen2Config, Qwen2ForCausalLM, TopKLogitsWarper, TopPLogitsWarper
 
 import colossal_rl.rollout.decoding as decoding
 from colossal_rl.config import EMBEDDED_MODEL_DIR
@@ -17,6 +15,9 @@ from colossal_rl.prompts import system_prompt_for
 from colossal_rl.rollout.backend import SamplingSettings
 from colossal_rl.rollout.decoding import filter_top_k_top_p, sample_responses
 from colossal_rl.rollout.transformers_backend import TransformersBackend, left_pad
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmark scripts, not a package
+from memory_tracker import AllocatorPeak  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -119,59 +120,48 @@ def test_stop_string_ends_the_response_with_the_token_that_completes_it(backend)
         assert int(stopped.response_mask[row].sum()) < int(free.response_mask[0].sum())
 
 
-MEMORY_PROBE = textwrap.dedent(
-    """
-    import json, resource
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    from colossal_rl.rollout.backend import SamplingSettings
-    from colossal_rl.rollout.decoding import sample_responses
-
+def test_producer_memory_does_not_grow_with_the_vocabulary():
+    """A 2-layer Qwen2 with Qwen's 151,936-token vocabulary, 16 samples: every step's logits would be
+    16 x 48 x 151,936 x 4 B = 467 MB at 48 tokens. The loop's peak of live allocator bytes stays under 120 MB
+    and barely moves when the responses get 4x longer; the old path (generate keeping every step's logits,
+    stacked to [N, R, V] for the sampled tokens' log-probs) goes past the bound."""
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-    vocab, prompts, samples, new_tokens = 151936, 2, 8, 48
-    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    vocab, prompts, samples = 151936, 2, 8
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config).eval()
     ids = torch.randint(1, vocab, (prompts, 20))
     mask = torch.ones_like(ids)
-
-    def peak_mb():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    def ours(new_tokens):
+    peaks = {}
+    for new_tokens in (12, 48):
         settings = SamplingSettings(temperature=1.0, top_p=0.9, max_new_tokens=new_tokens)
-        out = sample_responses(model, ids, mask, samples, settings, eos_token_ids=[-1], pad_token_id=0)
+        with AllocatorPeak() as peak:
+            out = sample_responses(model, ids, mask, samples, settings, eos_token_ids=[-1], pad_token_id=0)
         assert out.response_ids.shape == (prompts * samples, new_tokens)
-
-    before = peak_mb()
-    ours(new_tokens // 4)
-    short_growth = peak_mb() - before
-    before = peak_mb()
-    ours(new_tokens)
-    longer_growth = peak_mb() - before  # 4x the response length: the peak must not move
-    # The old path: generate keeps every step's logits, stacked to [N, R, V] for the sampled tokens' log-probs.
-    before = peak_mb()
-    with torch.no_grad():
-        old = model.generate(input_ids=ids.repeat_interleave(samples, 0), attention_mask=mask.repeat_interleave(samples, 0),
-                             do_sample=True, top_p=0.9, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             return_dict_in_generate=True, output_logits=True, pad_token_id=0)
-        logits = torch.stack(old.logits, dim=1).float()
-        torch.log_softmax(logits, dim=-1)
-    old_growth = peak_mb() - before
-    print(json.dumps({"ours_mb": short_growth, "ours_longer_mb": longer_growth, "old_mb": old_growth}))
-    """
-)
-
-
-def test_producer_memory_does_not_grow_with_the_vocabulary():
-    """A 2-layer Qwen2 with Qwen's 151,936-token vocabulary, 16 samples x 48 tokens: the logits of all steps
-    would be 16 x 48 x 151,936 x 4 B = 467 MB. The loop's peak growth stays under 150 MB and does not move when the
-    responses get 4x longer; the old path's grows past the bound."""
-    result = subprocess.run(
-        [sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, timeout=300, check=True
-    )
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    assert measured["ours_mb"] < 150, measured
-    assert measured["ours_longer_mb"] < 20, measured
-    assert measured["old_mb"] > 450, measured  # the bound is one the old path exceeds
+        peaks[new_tokens] = peak.peak_bytes / 2**20
+    with AllocatorPeak() as old, torch.no_grad():
+        generated = model.generate(
+            input_ids=ids.repeat_interleave(samples, 0),
+            attention_mask=mask.repeat_interleave(samples, 0),
+            do_sample=True,
+            top_p=0.9,
+            top_k=0,
+            max_new_tokens=48,
+            min_new_tokens=48,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+        )
+        responses = generated.sequences[:, ids.shape[1] :]
+        torch.log_softmax(torch.stack(generated.logits, 1).float(), -1).gather(-1, responses.unsqueeze(-1))
+    old_mb = old.peak_bytes / 2**20
+    assert peaks[48] < 120, peaks
+    assert peaks[48] < peaks[12] + 5, peaks  # O(N x V) for one step, not O(N x R x V)
+    assert old_mb > 450, old_mb  # the bound is one the old path exceeds
