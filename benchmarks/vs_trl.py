@@ -324,7 +324,7 @@ def _run_child(system: str, model: str, settings: Settings, n_behind: int, flags
 def _print_row(model: str, seed: int, system: str, r: dict) -> None:
     print(
         f"{model:8}{seed:>5} {system:8}{r['samples']:8.0f}{r['end_to_end_s']:8.1f}{r['train_s']:9.1f}"
-        f"{r['samples'] / r['train_s']:11.1f}{r['tokens'] / r['train_s']:10.0f}{r['computed_per_real']:9.2f}"
+        f"{r['samples'] / r['train_s']:11.1f}{r['tokens'] / r['train_s']:10.0f}{r['computed_per_real']:10.2f}"
         f"{r['eval_before']:8.3f}->{r['eval_after']:.3f}{r['final_reward']:8.3f}",
         flush=True,
     )
@@ -378,7 +378,7 @@ def main() -> None:
     )
     print(
         f"{'model':8}{'seed':>5} {'system':8}{'samples':>8}{'e2e s':>8}{'train s':>9}{'samples/s':>11}"
-        f"{'tokens/s':>10}{'comp/real':>9}{'eval before->after':>20}{'reward':>8}",
+        f"{'tokens/s':>10}{'comp/real':>10}{'eval before->after':>20}{'reward':>8}",
         flush=True,
     )
     speedups: dict[str, list[float]] = {}

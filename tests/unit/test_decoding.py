@@ -96,11 +96,43 @@ def test_compaction_changes_nothing_but_the_work(backend, prompts, monkeypatch):
     sampling = SamplingSettings(temperature=1.0, top_p=0.95, max_new_tokens=20)
     torch.manual_seed(3)
     compacted = sample_responses(backend.model, ids, mask, 4, sampling, eos_token_ids=[0], pad_token_id=0)
-    monkeypatch.setattr(decoding, "COMPACT_WHEN_FINISHED_FRACTION", -1.0)  # never compact
+    monkeypatch.setattr(decoding, "COMPACT_WHEN_FINISHED_FRACTION", 2.0)  # never compact
     torch.manual_seed(3)
     full = sample_responses(backend.model, ids, mask, 4, sampling, eos_token_ids=[0], pad_token_id=0)
     assert torch.equal(compacted.response_ids, full.response_ids)
     torch.testing.assert_close(compacted.logprobs, full.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_same_samples_and_logprobs_as_generate_with_output_logits(backend, prompts, monkeypatch, temperature):
+    """The path this loop replaced (``generate`` over the repeated prompts, every step's logits stacked): with
+    the same seed and no compaction both draw the same tokens, with the same behaviour log-probs."""
+    monkeypatch.setattr(decoding, "COMPACT_WHEN_FINISHED_FRACTION", 2.0)  # keep the batch shape generate keeps
+    sampling = SamplingSettings(temperature=temperature, max_new_tokens=12)
+    ids, mask = left_pad(prompts, backend.pad_token_id)
+    torch.manual_seed(5)
+    ours = sample_responses(backend.model, ids, mask, 4, sampling, eos_token_ids=backend.eos_token_ids, pad_token_id=0)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        old = backend.model.generate(
+            input_ids=ids.repeat_interleave(4, 0),
+            attention_mask=mask.repeat_interleave(4, 0),
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=12,
+            eos_token_id=backend.eos_token_ids,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    old_ids = old.sequences[:, ids.shape[1] :]
+    old_logprobs = torch.log_softmax(torch.stack(old.logits, 1).float() / temperature, -1)
+    old_logprobs = old_logprobs.gather(-1, old_ids.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(ours.response_ids, old_ids)
+    generated = torch.cat([torch.ones_like(old_ids[:, :1]), (old_ids[:, :-1] != 0).long()], 1).cummin(1).values.bool()
+    torch.testing.assert_close(ours.logprobs[generated], old_logprobs[generated], atol=1e-5, rtol=0)
 
 
 def test_stop_string_ends_the_response_with_the_token_that_completes_it(backend):
