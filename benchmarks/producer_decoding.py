@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+VOCABULARY = 151936
 SHAPES = {
     "default": (None, 16),  # (system prompt override, max_new_tokens)
     "long_responses": ("Add.", 64),
@@ -43,43 +44,78 @@ def prompts_of_shape(tokenizer, system_prompt: str | None, count: int) -> list[l
     return load_prompt_dataset(EMBEDDED_TRAIN_DATA, tokenizer, system, 10_000).prompt_ids[:count]
 
 
-def generate_with_output_logits(backend, prompts, num_samples, sampling):
-    """The old path: generate keeps every step's logits; log-probs from the stacked [N, R, V] tensor."""
-    from colossal_rl.rollout.transformers_backend import left_pad
-
-    repeated = [p for p in prompts for _ in range(num_samples)]
-    ids, mask = left_pad(repeated, backend.pad_token_id)
+def generate_keeping_logits(
+    model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_token_id: list[int] | None = None,
+    pad_token_id: int = 0,
+    exact_length: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The old path: ``generate`` over each left-padded prompt row repeated ``samples`` times, every step's
+    logits kept and stacked to [N, R, V] for the sampled tokens' log-probs. Returns (response ids, log-probs)."""
     with torch.no_grad():
-        output = backend.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=sampling.max_new_tokens,
-            pad_token_id=backend.pad_token_id,
-            eos_token_id=backend.eos_token_ids,
+        output = model.generate(
+            input_ids=ids.repeat_interleave(samples, 0),
+            attention_mask=mask.repeat_interleave(samples, 0),
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if exact_length else None,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
             return_dict_in_generate=True,
             output_logits=True,
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_k=0,
-            top_p=1.0,
         )
         responses = output.sequences[:, ids.shape[1] :]
-        logits = torch.stack(output.logits, dim=1).float() / sampling.temperature
-        return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        logits = torch.stack(output.logits, dim=1).float() / temperature
+        return responses, torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def large_vocabulary_model(prompts: int = 2, prompt_tokens: int = 20):
+    """A random 2-layer Qwen2 with Qwen's 151,936-token vocabulary, and ``prompts`` random prompt rows."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCABULARY,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    ids = torch.randint(1, VOCABULARY, (prompts, prompt_tokens))
+    return Qwen2ForCausalLM(config).eval(), ids, torch.ones_like(ids)
 
 
 def time_shapes(reps: int) -> None:
     from colossal_rl.config import EMBEDDED_MODEL_DIR
     from colossal_rl.rollout.backend import SamplingSettings
-    from colossal_rl.rollout.transformers_backend import TransformersBackend
+    from colossal_rl.rollout.transformers_backend import TransformersBackend, left_pad
 
     backend = TransformersBackend(str(EMBEDDED_MODEL_DIR))
     print(f"{'shape':<16}{'prompt tokens':>14}{'generate s':>12}{'ours s':>10}{'ours/generate':>15}")
     for shape, (system_prompt, max_new_tokens) in SHAPES.items():
         prompts = prompts_of_shape(backend.tokenizer, system_prompt, 16)
         sampling = SamplingSettings(temperature=1.0, max_new_tokens=max_new_tokens)
+        padded, eos = left_pad(prompts, backend.pad_token_id), backend.eos_token_ids
         methods = {
-            "generate": lambda: generate_with_output_logits(backend, prompts, 8, sampling),  # noqa: B023
+            "generate": lambda: generate_keeping_logits(  # noqa: B023
+                backend.model,
+                *padded,
+                samples=8,
+                max_new_tokens=sampling.max_new_tokens,
+                eos_token_id=eos,  # noqa: B023
+            ),
             "ours": lambda: backend.generate(prompts, 8, sampling),  # noqa: B023
         }
         times = {name: [] for name in methods}
@@ -97,50 +133,24 @@ def time_shapes(reps: int) -> None:
 
 def peak_memory(tokens: list[int]) -> None:
     """Peak live CPU allocator bytes (``memory_tracker.AllocatorPeak``) of each method, same model and prompts."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from colossal_rl.rollout.backend import SamplingSettings
     from colossal_rl.rollout.decoding import sample_responses
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from memory_tracker import AllocatorPeak
 
-    torch.manual_seed(0)
-    vocab, prompts, samples = 151936, 2, 8
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    ids = torch.randint(1, vocab, (prompts, 20))
-    mask = torch.ones_like(ids)
+    samples = 8
+    model, ids, mask = large_vocabulary_model()
+    prompts = ids.shape[0]
     print("\npeak live allocator MB, 2-layer Qwen2 with a 151,936-token vocabulary, 2 prompts x 8 samples")
     print(f"{'response tokens':<16}{'[N,R,V] fp32 MB':>16}{'generate':>10}{'ours':>8}{'generate/ours':>15}")
     for new_tokens in tokens:
-        with AllocatorPeak() as old, torch.no_grad():
-            out = model.generate(
-                input_ids=ids.repeat_interleave(samples, 0),
-                attention_mask=mask.repeat_interleave(samples, 0),
-                do_sample=True,
-                top_k=0,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                return_dict_in_generate=True,
-                output_logits=True,
-                pad_token_id=0,
-            )
-            responses = out.sequences[:, ids.shape[1] :]
-            torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, responses.unsqueeze(-1))
-        del out
+        with AllocatorPeak() as old:
+            generate_keeping_logits(model, ids, mask, samples=samples, max_new_tokens=new_tokens, exact_length=True)
         settings = SamplingSettings(temperature=1.0, max_new_tokens=new_tokens)
         with AllocatorPeak() as ours:
             sample_responses(model, ids, mask, samples, settings, eos_token_ids=[-1], pad_token_id=0)
-        stacked = prompts * samples * new_tokens * vocab * 4 / 2**20
+        stacked = prompts * samples * new_tokens * VOCABULARY * 4 / 2**20
         old_mb, ours_mb = old.peak_bytes / 2**20, ours.peak_bytes / 2**20
         print(f"{new_tokens:<16}{stacked:>16.0f}{old_mb:>10.0f}{ours_mb:>8.0f}{old_mb / ours_mb:>15.1f}")
 

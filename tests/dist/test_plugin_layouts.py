@@ -52,6 +52,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_rollouts import random_rollouts
 from spawned import run_spawned
 
 from colossal_rl.batch import RolloutBatch
@@ -146,33 +147,16 @@ def make_batches(vocab_size: int, pad_token_id: int) -> list[RolloutBatch]:
     for step in range(NUM_STEPS):
         n = GROUP_SIZE * NUM_GROUPS
         prompt_len, response_len = 5 + step, 4 + step
-        prompt_ids = torch.full((n, prompt_len), pad_token_id)
-        prompt_mask = torch.zeros((n, prompt_len), dtype=torch.long)
-        response_ids = torch.full((n, response_len), pad_token_id)
-        response_mask = torch.zeros((n, response_len), dtype=torch.long)
-        for i in range(n):
-            if i % GROUP_SIZE == 0:
-                p = int(torch.randint(2, prompt_len + 1, (1,), generator=generator))
-                prompt = torch.randint(1, vocab_size, (p,), generator=generator)
-            r = int(torch.randint(1, response_len + 1, (1,), generator=generator))
-            prompt_ids[i, prompt_len - p :] = prompt
-            prompt_mask[i, prompt_len - p :] = 1
-            response_ids[i, :r] = torch.randint(1, vocab_size, (r,), generator=generator)
-            response_mask[i, :r] = 1
-        rewards = torch.randint(0, 2, (n,), generator=generator).float()
+        prompts = [int(torch.randint(2, prompt_len + 1, (1,), generator=generator)) for _ in range(NUM_GROUPS)]
+        responses = [int(torch.randint(1, response_len + 1, (1,), generator=generator)) for _ in range(n)]
         batches.append(
-            RolloutBatch(
-                prompt_ids=prompt_ids,
-                prompt_mask=prompt_mask,
-                response_ids=response_ids,
-                response_mask=response_mask,
-                behaviour_logprobs=-torch.rand((n, response_len), generator=generator) * response_mask,
-                rewards=rewards,
-                answer_correct=rewards,
-                loss_mask=torch.ones(n),
-                truncated=torch.zeros(n, dtype=torch.bool),
-                advantages=torch.randn(n, generator=generator),
+            random_rollouts(
+                vocab_size=vocab_size,
+                pad_token_id=pad_token_id,
                 group_size=GROUP_SIZE,
+                prompt_lengths=prompts,
+                response_lengths=responses,
+                generator=generator,
                 policy_version=step,
             )
         )

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_rollouts import random_rollouts
 from spawned import run_spawned
 
 from colossal_rl.batch import RolloutBatch
@@ -65,38 +66,19 @@ def make_config(parallel: ParallelConfig, sequence: dict) -> RLConfig:
 def make_batch(vocab_size: int, pad_token_id: int) -> RolloutBatch:
     """Groups 0 and 2 short (prompts 3-4 tokens, responses 1-3), groups 1 and 3 long (prompts 10-12, responses 4-9)."""
     generator = torch.Generator().manual_seed(99)
-    n, prompt_width, response_width = GROUP_SIZE * NUM_GROUPS, 12, 9
-    prompt_ids = torch.full((n, prompt_width), pad_token_id)
-    prompt_mask = torch.zeros((n, prompt_width), dtype=torch.long)
-    response_ids = torch.full((n, response_width), pad_token_id)
-    response_mask = torch.zeros((n, response_width), dtype=torch.long)
-    for group in range(NUM_GROUPS):
-        long = group % 2 == 1
-        p = int(
-            torch.randint(10, 13, (1,), generator=generator) if long else torch.randint(3, 5, (1,), generator=generator)
-        )
-        prompt = torch.randint(1, vocab_size, (p,), generator=generator)
-        for i in range(group * GROUP_SIZE, (group + 1) * GROUP_SIZE):
-            low, high = (4, 10) if long else (1, 4)
-            r = int(torch.randint(low, high, (1,), generator=generator))
-            prompt_ids[i, prompt_width - p :] = prompt
-            prompt_mask[i, prompt_width - p :] = 1
-            response_ids[i, :r] = torch.randint(1, vocab_size, (r,), generator=generator)
-            response_mask[i, :r] = 1
-    rewards = torch.randint(0, 2, (n,), generator=generator).float()
-    return RolloutBatch(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        behaviour_logprobs=-torch.rand((n, response_width), generator=generator) * response_mask,
-        rewards=rewards,
-        answer_correct=rewards,
-        loss_mask=torch.ones(n),
-        truncated=torch.zeros(n, dtype=torch.bool),
-        advantages=torch.randn(n, generator=generator),
+
+    def length(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=generator))
+
+    prompts = [length(10, 13) if group % 2 else length(3, 5) for group in range(NUM_GROUPS)]
+    responses = [length(4, 10) if i // GROUP_SIZE % 2 else length(1, 4) for i in range(GROUP_SIZE * NUM_GROUPS)]
+    return random_rollouts(
+        vocab_size=vocab_size,
+        pad_token_id=pad_token_id,
         group_size=GROUP_SIZE,
-        policy_version=0,
+        prompt_lengths=prompts,
+        response_lengths=responses,
+        generator=generator,
     )
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, TopKLogitsWarper, TopPLogitsWarper
+from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 import colossal_rl.rollout.decoding as decoding
 from colossal_rl.config import EMBEDDED_MODEL_DIR
@@ -18,6 +18,7 @@ from colossal_rl.rollout.transformers_backend import TransformersBackend, left_p
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # benchmark scripts, not a package
 from memory_tracker import AllocatorPeak  # noqa: E402
+from producer_decoding import generate_keeping_logits, large_vocabulary_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -113,23 +114,15 @@ def test_same_samples_and_logprobs_as_generate_with_output_logits(backend, promp
     torch.manual_seed(5)
     ours = sample_responses(backend.model, ids, mask, 4, sampling, eos_token_ids=backend.eos_token_ids, pad_token_id=0)
     torch.manual_seed(5)
-    with torch.no_grad():
-        old = backend.model.generate(
-            input_ids=ids.repeat_interleave(4, 0),
-            attention_mask=mask.repeat_interleave(4, 0),
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=12,
-            eos_token_id=backend.eos_token_ids,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-    old_ids = old.sequences[:, ids.shape[1] :]
-    old_logprobs = torch.log_softmax(torch.stack(old.logits, 1).float() / temperature, -1)
-    old_logprobs = old_logprobs.gather(-1, old_ids.unsqueeze(-1)).squeeze(-1)
+    old_ids, old_logprobs = generate_keeping_logits(
+        backend.model,
+        ids,
+        mask,
+        samples=4,
+        max_new_tokens=12,
+        temperature=temperature,
+        eos_token_id=backend.eos_token_ids,
+    )
     assert torch.equal(ours.response_ids, old_ids)
     generated = torch.cat([torch.ones_like(old_ids[:, :1]), (old_ids[:, :-1] != 0).long()], 1).cummin(1).values.bool()
     torch.testing.assert_close(ours.logprobs[generated], old_logprobs[generated], atol=1e-5, rtol=0)
@@ -157,20 +150,8 @@ def test_producer_memory_does_not_grow_with_the_vocabulary():
     16 x 48 x 151,936 x 4 B = 467 MB at 48 tokens. The loop's peak of live allocator bytes stays under 120 MB
     and barely moves when the responses get 4x longer; the old path (generate keeping every step's logits,
     stacked to [N, R, V] for the sampled tokens' log-probs) goes past the bound."""
-    torch.manual_seed(0)
-    vocab, prompts, samples = 151936, 2, 8
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    ids = torch.randint(1, vocab, (prompts, 20))
-    mask = torch.ones_like(ids)
+    model, ids, mask = large_vocabulary_model(prompts=2)
+    prompts, samples = 2, 8
     peaks = {}
     for new_tokens in (12, 48):
         settings = SamplingSettings(temperature=1.0, top_p=0.9, max_new_tokens=new_tokens)
@@ -178,21 +159,8 @@ def test_producer_memory_does_not_grow_with_the_vocabulary():
             out = sample_responses(model, ids, mask, samples, settings, eos_token_ids=[-1], pad_token_id=0)
         assert out.response_ids.shape == (prompts * samples, new_tokens)
         peaks[new_tokens] = peak.peak_bytes / 2**20
-    with AllocatorPeak() as old, torch.no_grad():
-        generated = model.generate(
-            input_ids=ids.repeat_interleave(samples, 0),
-            attention_mask=mask.repeat_interleave(samples, 0),
-            do_sample=True,
-            top_p=0.9,
-            top_k=0,
-            max_new_tokens=48,
-            min_new_tokens=48,
-            return_dict_in_generate=True,
-            output_logits=True,
-            pad_token_id=0,
-        )
-        responses = generated.sequences[:, ids.shape[1] :]
-        torch.log_softmax(torch.stack(generated.logits, 1).float(), -1).gather(-1, responses.unsqueeze(-1))
+    with AllocatorPeak() as old:
+        generate_keeping_logits(model, ids, mask, samples=samples, max_new_tokens=48, top_p=0.9, exact_length=True)
     old_mb = old.peak_bytes / 2**20
     assert peaks[48] < 120, peaks
     assert peaks[48] < peaks[12] + 5, peaks  # O(N x V) for one step, not O(N x R x V)
