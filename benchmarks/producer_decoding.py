@@ -19,6 +19,7 @@ Two measurements, side by side in one run:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -107,16 +108,18 @@ def time_shapes(reps: int) -> None:
     for shape, (system_prompt, max_new_tokens) in SHAPES.items():
         prompts = prompts_of_shape(backend.tokenizer, system_prompt, 16)
         sampling = SamplingSettings(temperature=1.0, max_new_tokens=max_new_tokens)
-        padded, eos = left_pad(prompts, backend.pad_token_id), backend.eos_token_ids
+        ids, mask = left_pad(prompts, backend.pad_token_id)
         methods = {
-            "generate": lambda: generate_keeping_logits(  # noqa: B023
+            "generate": functools.partial(
+                generate_keeping_logits,
                 backend.model,
-                *padded,
+                ids,
+                mask,
                 samples=8,
-                max_new_tokens=sampling.max_new_tokens,
-                eos_token_id=eos,  # noqa: B023
+                max_new_tokens=max_new_tokens,
+                eos_token_id=backend.eos_token_ids,
             ),
-            "ours": lambda: backend.generate(prompts, 8, sampling),  # noqa: B023
+            "ours": functools.partial(backend.generate, prompts, 8, sampling),
         }
         times = {name: [] for name in methods}
         for rep in range(reps + 1):

@@ -76,7 +76,7 @@ def report_0_5b(args: argparse.Namespace) -> dict[tuple[str, str, str], StepMemo
     runs = ([] if args.skip_real else [("real", "fp32")]) + [("fake", dtype) for dtype in args.dtypes]
     results: dict[tuple[str, str, str], StepMemory] = {}
     for mode, dtype in runs:
-        for feature in FEATURES:
+        for feature in args.features.split(","):
             case = dataclasses.replace(base, dtype=dtype, feature=feature)
             results[mode, dtype, feature] = (
                 measure_real_in_child(case, args.threads) if mode == "real" else measure_fake(case)
@@ -89,19 +89,19 @@ def report_0_5b(args: argparse.Namespace) -> dict[tuple[str, str, str], StepMemo
     )
     print(
         "| run | dtype | features | activation MiB | × plain | saved after forward MiB | per layer MiB "
-        "| allocator peak MiB | RSS peak increase MiB | held before MiB | s |"
+        "| allocator peak MiB | RSS peak increase MiB | untracked allocator peak MiB | held before MiB | s |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (mode, dtype, feature), memory in results.items():
         ratio = memory.activation_peak / results[mode, dtype, "plain"].activation_peak
         print(
             f"| {mode} | {dtype} | {feature} | {_mib(memory.activation_peak)} | {ratio:.2f} | "
             f"{_mib(memory.saved_after_forward)} | {memory.per_layer / 2**20:.1f} | {_mib(memory.allocator_peak)} | "
-            f"{_mib(memory.rss_peak_increase)} | "
+            f"{_mib(memory.rss_peak_increase)} | {_mib(memory.untracked_allocator_peak)} | "
             f"{_mib(memory.held_before)} | {memory.seconds:.1f} |"
         )
     print("\nper token (T tokens, L layers, V vocabulary): activation = T * (L * per_layer + rest)")
-    for mode, dtype in runs:
+    for mode, dtype in runs if len(results) == len(runs) * len(FEATURES) else ():
         per_token = {f: results[mode, dtype, f] for f in FEATURES}
         logits_term = per_token["plain"].activation_peak - per_token["hidden-chunked log-probs"].activation_peak
         print(
@@ -212,6 +212,11 @@ def summary_line(results: dict[tuple[str, str, str], StepMemory]) -> str:
     for mode, dtype in dict.fromkeys((mode, dtype) for mode, dtype, _ in results):
         ratio = results[mode, dtype, "both"].activation_peak / results[mode, dtype, "plain"].activation_peak
         parts.append(f"{mode} {dtype} x{ratio:.3f} ({1 / ratio:.1f}x lower)")
+        untracked = [results[mode, dtype, f].untracked_allocator_peak for f in ("both", "plain")]
+        if None not in untracked:
+            parts.append(
+                f"real untracked {dtype} x{untracked[0] / untracked[1]:.3f} ({untracked[1] / untracked[0]:.1f}x lower)"
+            )
     return f"activation memory, both features / plain: {', '.join(parts)} (goal: <= {GOAL_RATIO:.3f})"
 
 
@@ -223,6 +228,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the real runs")
     parser.add_argument("--dtypes", default="fp32,bf16", help="dtypes of the fake runs, comma-separated")
     parser.add_argument("--skip-real", action="store_true", help="fake runs only (seconds instead of minutes)")
+    parser.add_argument(
+        "--features", default=",".join(FEATURES), help="feature settings to measure, comma-separated (plain first)"
+    )
     parser.add_argument("--skip-sweep", action="store_true", help="skip the fake token/embedding sweep (~3 min)")
     parser.add_argument("--estimate", action="store_true", help="also print the Qwen2.5-7B per-GPU estimate")
     parser.add_argument("--microbatch", type=int, default=2, help="estimate: samples per micro-batch (-tmbs)")
