@@ -65,6 +65,7 @@ FIELD_FLAGS = {
     "run.eval_interval": "-ei/--eval-interval",
     "run.save_interval": "-si/--save-interval",
     "run.save_limit": "--save-limit",
+    "run.final_export": "--no-final-export",
     "run.log_rollout_interval": "--log-rollout-interval",
     "train.warmup_steps": "--warmup-steps",
     "train.ppo_epochs": "--ppo-epochs",
@@ -238,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-nb", "--n-behind", type=int, default=defaults.schedule.n_behind)
     p.add_argument("-si", "--save-interval", type=int, default=0, help="Checkpoint every N optimizer steps (0: never).")
     p.add_argument("--save-limit", type=int, default=defaults.run.save_limit, help="Keep the newest N checkpoints.")
+    p.add_argument(
+        "--no-final-export",
+        dest="final_export",
+        action="store_false",
+        help="Do not write the trained policy as a Hugging Face model into <run dir>/final at the end.",
+    )
     p.add_argument("-sd", "--save-dir", default=defaults.run.save_dir, help="Parent directory of run directories.")
     p.add_argument("-esd", "--eval-save-dir", default=None, help="Eval generations; default: <run dir>/eval.")
     p.add_argument("--overwrite-eval-dir", action="store_true", help="Allow an -esd directory that holds files.")
@@ -425,6 +432,7 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 enable_profiling=args.enable_profiling,
                 save_interval=args.save_interval,
                 save_limit=args.save_limit,
+                final_export=args.final_export,
                 checkpoint_path=args.checkpoint_path,
                 seed=args.seed,
                 timeout_s=args.timeout,
@@ -477,12 +485,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("interrupted; actors were shut down")
         return 130
     logger.info(
-        "done: %d optimizer steps in %.0fs; eval accuracy %s -> %s; run directory %s",
+        "done: %d optimizer steps in %.0fs; eval accuracy %s -> %s; run directory %s%s",
         summary.steps,
         summary.wall_time_s,
         summary.eval_accuracy_before,
         summary.eval_accuracy_after,
         summary.run_dir,
+        f"; trained model {summary.final_model_dir}" if summary.final_model_dir else "",
     )
     return 0
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import socket
+from pathlib import Path
 
 import ray
 import torch
@@ -293,6 +294,10 @@ class TrainerActor:
     def save_checkpoint(self, directory: str) -> None:
         with self.trainer.phases.record("checkpoint"):
             self.trainer.save_checkpoint(directory)
+
+    def export_model(self, directory: str) -> bool:
+        with self.trainer.phases.record("checkpoint"):
+            return self.trainer.export_model(Path(directory))
 
     def drain_phases(self) -> list:
         return self.trainer.phases.drain()

@@ -128,10 +128,16 @@ def prune(checkpoints_dir: Path, keep: int) -> list[Path]:
 
 
 def resolve(path: str | Path) -> Path:
-    """``-cp`` may name a checkpoint, a run's ``checkpoints/`` directory or the run directory: the newest inside."""
+    """``-cp`` may name a checkpoint (``step_32`` or ``step_000032``), a run's ``checkpoints/`` directory or the
+    run directory: the newest inside."""
     path = Path(path)
     if (path / STATE_FILE).is_file():
         return path
+    step = path.name.removeprefix("step_")
+    if not path.exists() and path.name.startswith("step_") and step.isdigit():  # step_32 for step_000032
+        padded = path.parent / checkpoint_name(int(step))
+        if (padded / STATE_FILE).is_file():
+            return padded
     for candidate in (path, path / "checkpoints"):
         found = complete_checkpoints(candidate)
         if found:

@@ -344,6 +344,9 @@ class RunConfig:
     """Write the rollout samples (prompt, response, reward) of every this many optimizer steps; 0 disables."""
     save_interval: int = 0
     """Checkpoint every this many optimizer steps (at the end of the round reaching it, and at the end); 0 disables."""
+    final_export: bool = True
+    """At the end of the run, write the trained policy as a Hugging Face model (safetensors, config, tokenizer;
+    loadable by transformers and vLLM) into ``<run dir>/final``."""
     save_limit: int = 3
     """Keep only the newest this many checkpoints; 0 keeps all."""
     checkpoint_path: str | None = None

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ from colossal_rl.run_outputs import (
 )
 
 logger = logging.getLogger(__name__)
+FINAL_MODEL_DIR = "final"
+"""Inside the run directory: the trained policy as a Hugging Face model (``run.final_export``)."""
 
 
 class RunFailed(RuntimeError):
@@ -51,6 +54,8 @@ class RunSummary:
     eval_accuracy_before: dict[str, float]
     eval_accuracy_after: dict[str, float]
     dropped_stale_groups: int
+    final_model_dir: str | None = None
+    """The trained policy as a Hugging Face model (``run.final_export``), None when not exported."""
 
 
 def _last_line(error: BaseException) -> str:
@@ -185,6 +190,7 @@ class Driver:
         self.next_round = 0
         self.policy_version = 0
         self.dropped_stale_groups = 0
+        self.final_model_dir: Path | None = None
         self.next_eval_step = 0
         self.last_saved_step = 0
         self.eval_before: dict[str, float] | None = None
@@ -270,7 +276,18 @@ class Driver:
                 next_produce = round_index + 1 + n_behind
                 self.pending_produce[next_produce] = self.named("produce", "producer", next_produce, self.buffer)
         progress.close()
+        if self.config.run.final_export:
+            self.export_final_model()
         return self.eval_before, self.evaluate()
+
+    def export_final_model(self) -> Path:
+        """The trained policy, as a Hugging Face model, into ``<run dir>/final`` (replacing an earlier one)."""
+        final = self.run_dir / FINAL_MODEL_DIR
+        shutil.rmtree(final, ignore_errors=True)
+        _gather(self.named("export_model", "trainer", str(final)), self.timeout)
+        self.final_model_dir = final
+        logger.info("exported the trained policy to %s", final)
+        return final
 
     def _train_round(self, round_index: int, progress) -> None:
         sample_step = self._rollout_sample_step()
@@ -460,4 +477,5 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         eval_accuracy_before=before,
         eval_accuracy_after=after,
         dropped_stale_groups=driver.dropped_stale_groups,
+        final_model_dir=None if driver.final_model_dir is None else str(driver.final_model_dir),
     )

@@ -503,7 +503,7 @@ class Trainer:
     def save_checkpoint(self, directory: Path) -> None:
         """Collective: every rank writes its state into ``directory/trainer``; the full-weights rank exports ``hf``."""
         from colossal_rl.checkpoint import EXPORT_DIR, TRAINER_DIR
-        from colossal_rl.training.checkpointing import export_hf, save_trainer_state
+        from colossal_rl.training.checkpointing import save_trainer_state
 
         directory = Path(directory)
         save_trainer_state(
@@ -515,15 +515,23 @@ class Trainer:
             rank=self.rank,
             step=self.step,
         )
+        self.export_model(directory / EXPORT_DIR)
+
+    def export_model(self, directory: Path) -> bool:
+        """Collective: the rank holding the full weights writes the policy as a Hugging Face model into
+        ``directory``; returns whether this rank wrote it."""
+        from colossal_rl.training.checkpointing import export_hf
+
         full_state = self.full_state_dict()
         if full_state is not None:
             export_hf(
                 full_state,
                 self.config.model.path,
-                directory / EXPORT_DIR,
+                Path(directory),
                 trust_remote_code=self.config.model.trust_remote_code,
             )
         dist.barrier()
+        return full_state is not None
 
     def load_checkpoint(self, directory: Path, policy_version: int) -> None:
         from colossal_rl.checkpoint import TRAINER_DIR

@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
 from colossal_rl.metrics import MetricsLogger, read_metrics
@@ -57,6 +58,12 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
             for name, tensor in trainer_weights.items():
                 assert torch.equal(producer_weights[name], tensor), name
         assert any(not torch.equal(initial[n], trainer_weights[n]) for n in trainer_weights), "training changed nothing"
+        # The run leaves the trained policy as a Hugging Face model in <run dir>/final, equal to the trainer's.
+        assert driver.final_model_dir == run_dir / "final"
+        exported = AutoModelForCausalLM.from_pretrained(driver.final_model_dir).state_dict()
+        assert exported.keys() == trainer_weights.keys()
+        for name, tensor in trainer_weights.items():
+            assert torch.equal(exported[name], tensor), name
 
         # A round whose batches were sampled 2 versions ago (n_behind = 1) is dropped, not trained on.
         for rank in range(2):

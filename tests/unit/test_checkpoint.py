@@ -68,6 +68,9 @@ def test_prune_keeps_the_newest_and_resolve_accepts_run_checkpoints_or_checkpoin
     assert [p.name for p in ckpt.complete_checkpoints(checkpoints)] == ["step_000006", "step_000010"]
     assert ckpt.resolve(tmp_path) == ckpt.resolve(checkpoints) == checkpoints / "step_000010"
     assert ckpt.resolve(checkpoints / "step_000006") == checkpoints / "step_000006"
+    assert ckpt.resolve(checkpoints / "step_6") == checkpoints / "step_000006"  # the step without the padding
+    with pytest.raises(ckpt.CheckpointError, match="step_7: no complete checkpoint"):
+        ckpt.resolve(checkpoints / "step_7")
     assert ckpt.prune(checkpoints, keep=0) == []
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
         ckpt.resolve(tmp_path / "elsewhere")

@@ -71,6 +71,7 @@ FLAG_PROBES = {
     "eval_interval": (["-ei", "5"], "run.eval_interval"),
     "n_behind": (["-nb", "0"], "schedule.n_behind"),
     "save_interval": (["-si", "10"], "run.save_interval"),
+    "final_export": (["--no-final-export"], "run.final_export"),
     "save_limit": (["--save-limit", "1"], "run.save_limit"),
     "save_dir": (["-sd", "elsewhere"], "run.save_dir"),
     "eval_save_dir": (["-esd", "evals"], "run.eval_save_dir"),
