@@ -1,0 +1,3 @@
+from colossal_rl.third_party_noise import quiet_optional_accelerator_notices
+
+quiet_optional_accelerator_notices()

@@ -1,0 +1,28 @@
+"""Silence what third-party packages print at import about optional accelerators we do not use.
+
+ColossalAI imports TensorNVMe, apex and bitsandbytes unconditionally; on a machine without them each
+process prints warnings that mean nothing to a user (async safetensors saving, fused RMSNorm kernels, 4-bit
+CPU kernels) and bury our own lines. Each filter below names one message and the module it comes from;
+every other warning, ours included, still shows. Applied on importing ``colossal_rl``, so the driver and
+every Ray actor get it before ColossalAI is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+OPTIONAL_ACCELERATOR_WARNINGS = (
+    # (message regex, module regex of the warnings.warn call)
+    (r"Please install the latest tensornvme", r"colossalai\.utils\.safetensors"),
+    (r"Please install apex from source", r"colossalai\.shardformer\.layer\.normalization"),
+)
+OPTIONAL_ACCELERATOR_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+"""Loggers that only report optional kernels missing (``kernels-community`` 4-bit CPU ops) at WARNING."""
+
+
+def quiet_optional_accelerator_notices() -> None:
+    for message, module in OPTIONAL_ACCELERATOR_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
+    for name in OPTIONAL_ACCELERATOR_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
