@@ -295,9 +295,9 @@ class TrainerActor:
         with self.trainer.phases.record("checkpoint"):
             self.trainer.save_checkpoint(directory)
 
-    def export_model(self, directory: str) -> bool:
+    def export_model(self, directory: str) -> None:
         with self.trainer.phases.record("checkpoint"):
-            return self.trainer.export_model(Path(directory))
+            self.trainer.export_model(Path(directory))
 
     def drain_phases(self) -> list:
         return self.trainer.phases.drain()

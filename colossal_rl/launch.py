@@ -281,10 +281,17 @@ class Driver:
         return self.eval_before, self.evaluate()
 
     def export_final_model(self) -> Path:
-        """The trained policy, as a Hugging Face model, into ``<run dir>/final`` (replacing an earlier one)."""
+        """The trained policy, as a Hugging Face model, into ``<run dir>/final`` (replacing an earlier one).
+
+        When the run has just checkpointed its last step, that checkpoint's export holds these weights: its
+        files are hard-linked (no second gather of the weights, no second copy on disk)."""
         final = self.run_dir / FINAL_MODEL_DIR
         shutil.rmtree(final, ignore_errors=True)
-        _gather(self.named("export_model", "trainer", str(final)), self.timeout)
+        checkpoint = self.run_dir / "checkpoints" / ckpt.checkpoint_name(self.step)
+        if self.last_saved_step == self.step and (checkpoint / ckpt.EXPORT_DIR).is_dir():
+            shutil.copytree(checkpoint / ckpt.EXPORT_DIR, final, copy_function=os.link)
+        else:
+            _gather(self.named("export_model", "trainer", str(final)), self.timeout)
         self.final_model_dir = final
         logger.info("exported the trained policy to %s", final)
         return final

@@ -4,8 +4,8 @@ Three things ``model.generate(output_logits=True)`` does not do, and why they ma
 
 - **Prefill once per prompt.** The ``-g`` samples of a prompt share its key/value cache: the prompt is run
   through the model once, then the cache is repeated for the group.
-- **Memory O(N·R), not O(N·R·V).** Only the sampled token's log-probability is kept at each step; the
-  ``[N, V]`` distribution of one step is freed before the next (``generate`` keeps every step's logits and
+- **Memory O(N·R), not O(N·R·V).** Only the sampled token's log-probability is kept at each step; at most
+  two steps' ``[N, V]`` logits are alive at once (``generate`` keeps every step's logits and
   the backend stacked them into ``[N, R, V]`` float32: ~40 GB at N=128, R=512 with Qwen's 151,936 tokens).
 - **Finished rows stop computing.** Rows that ended (EOS or a stop string) are dropped from the batch.
 

@@ -517,9 +517,9 @@ class Trainer:
         )
         self.export_model(directory / EXPORT_DIR)
 
-    def export_model(self, directory: Path) -> bool:
+    def export_model(self, directory: Path) -> None:
         """Collective: the rank holding the full weights writes the policy as a Hugging Face model into
-        ``directory``; returns whether this rank wrote it."""
+        ``directory``."""
         from colossal_rl.training.checkpointing import export_hf
 
         full_state = self.full_state_dict()
@@ -531,7 +531,6 @@ class Trainer:
                 trust_remote_code=self.config.model.trust_remote_code,
             )
         dist.barrier()
-        return full_state is not None
 
     def load_checkpoint(self, directory: Path, policy_version: int) -> None:
         from colossal_rl.checkpoint import TRAINER_DIR

@@ -174,6 +174,9 @@ def test_checkpoints_are_committed_whole_and_export_loads_and_generates(uninterr
     )
     output = model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert output.shape[1] > prompt.shape[1]
+    # The run's final model is that last checkpoint's export, hard-linked rather than gathered and written again.
+    final = uninterrupted / "final" / "model.safetensors"
+    assert final.stat().st_ino == (export / "model.safetensors").stat().st_ino
 
 
 def test_eval_before_training_is_logged_and_its_generations_written(uninterrupted):
