@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 import ray
@@ -19,6 +20,7 @@ from colossal_rl.batch import RolloutBatch, concat_batches
 from colossal_rl.comm.buffer import Assignment, BufferSnapshot, RoundBuffer
 from colossal_rl.comm.token_balance import group_token_costs
 from colossal_rl.config import RLConfig
+from colossal_rl.profiling import PhaseRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class BufferActor:
             takers_per_rank=takers_per_rank,
         )
         self._changed: asyncio.Condition | None = None
+        self._arrivals: dict[int, dict[int, float]] = {}
+        """Round -> producer -> wall-clock time its share arrived, for the last few rounds (start-up report)."""
 
     def _condition(self) -> asyncio.Condition:
         if self._changed is None:
@@ -69,6 +73,9 @@ class BufferActor:
         group_tokens: tuple[int, ...] = (),
     ) -> None:
         self._buffer.put(round_index, producer_rank, payload[0] if payload else None, num_groups, version, group_tokens)
+        self._arrivals.setdefault(round_index, {})[producer_rank] = time.time()
+        while len(self._arrivals) > 8:
+            del self._arrivals[min(self._arrivals)]
         async with self._condition():
             self._condition().notify_all()
 
@@ -82,6 +89,10 @@ class BufferActor:
                     f"buffer: round {round_index} incomplete after {timeout_s:.0f}s (a producer is late or dead)"
                 ) from None
         return self._buffer.take(round_index, dp_rank, trainer_version)
+
+    async def arrival_times(self, round_index: int) -> dict[int, float]:
+        """Producer rank -> when its share of ``round_index`` arrived (wall clock), if among the last few rounds."""
+        return dict(self._arrivals.get(round_index, {}))
 
     async def snapshot(self) -> BufferSnapshot:
         """Payloads stay object-store handles here; the driver fetches them for the checkpoint."""
@@ -127,21 +138,30 @@ def rollout_samples(batch: RolloutBatch) -> list[dict]:
 @ray.remote
 class ProducerActor:
     def __init__(self, rank: int, config: RLConfig, num_threads: int = 1):
-        _configure_worker(num_threads)
-        from colossal_rl.reward import build_reward_scorer
-        from colossal_rl.rollout.producer import Producer
+        self.startup = PhaseRecorder()
+        with self.startup.record("imports"):
+            _configure_worker(num_threads)
+            from colossal_rl.reward import build_reward_scorer
+            from colossal_rl.rollout.producer import Producer
 
         reward = config.reward
-        scorer = build_reward_scorer(
-            reward_type=reward.reward_type, code_verifier_url=reward.code_verifier_url, reward_fn=reward.reward_fn
-        )
+        with self.startup.record("reward"):
+            scorer = build_reward_scorer(
+                reward_type=reward.reward_type, code_verifier_url=reward.code_verifier_url, reward_fn=reward.reward_fn
+            )
         self.rank = rank
         self.config = config
         self.producer = Producer(rank, config, scorer)
         self.receivers = []
 
     def ready(self) -> dict:
-        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        """Who and where this producer is, and its start-up phases (``colossal_rl.startup``)."""
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "startup": self.startup.drain() + self.producer.startup.drain(),
+        }
 
     def join_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> None:
         """Join every pipeline stage's weight-sync group (one without PP), in stage order."""
@@ -205,20 +225,24 @@ class ProducerActor:
 @ray.remote
 class TrainerActor:
     def __init__(self, rank: int, world_size: int, config: RLConfig, master_addr: str, master_port: int, num_threads=1):
-        _configure_worker(num_threads)
-        from colossal_rl.training.trainer import Trainer
+        self.startup = PhaseRecorder()
+        with self.startup.record("imports"):
+            _configure_worker(num_threads)
+            from colossal_rl.training.trainer import Trainer
 
         self.config = config
         self.trainer = Trainer(rank, world_size, config, master_addr, master_port)
         self.sender = None
 
     def setup(self) -> dict:
+        """Process group, model, optimizer; returns who and where this rank is and its start-up phases."""
         self.trainer.setup()
         return {
             "rank": self.trainer.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "sync_stage": self.trainer.sync_stage,
+            "startup": self.startup.drain() + self.trainer.startup.drain(),
         }
 
     def weight_sync_address(self) -> tuple[str, int]:

@@ -27,7 +27,7 @@ from colossal_rl.comm.transports import check_transport_for_cluster
 from colossal_rl.comm.weight_sync import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.metrics import MetricsLogger
-from colossal_rl.profiling import append_spans
+from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.run_outputs import (
     eval_dir,
     prepare_eval_dir,
@@ -35,6 +35,7 @@ from colossal_rl.run_outputs import (
     write_eval_generations,
     write_rollout_samples,
 )
+from colossal_rl.startup import FIRST_ROUND, StartupReport, process_started_at, spawn_span
 
 logger = logging.getLogger(__name__)
 FINAL_MODEL_DIR = "final"
@@ -143,9 +144,16 @@ def total_rounds(config: RLConfig, num_rows: int) -> int:
 class Driver:
     """Owns the actors of one run."""
 
-    def __init__(self, config: RLConfig, run_dir: Path, metrics: MetricsLogger):
+    def __init__(self, config: RLConfig, run_dir: Path, metrics: MetricsLogger, startup: PhaseRecorder | None = None):
+        """``startup``: the driver's start-up phases so far (``run_training``'s); the driver adds its own."""
         from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor, free_port
         from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port
+
+        self.startup = startup or PhaseRecorder()
+        self.startup_origin = process_started_at()
+        self.actors_submitted_at = time.time()
+        self.actor_startup: dict[str, list[Span]] = {}
+        self.startup_reported = False
 
         check_transport_for_cluster(config.run.weight_sync_backend, ray.nodes())  # before any actor starts
         self.config = config
@@ -208,8 +216,17 @@ class Driver:
         """Start every actor and the weight-sync group; with ``resume_from``, restore a checkpoint first."""
         started = time.perf_counter()
         ready = _gather(self.named("ready", "producer") + self.named("setup", "trainer"), self.timeout)
+        self.startup.add("actors", self.actors_submitted_at, time.time())
+        names = [f"producer {r}" for r in range(len(self.producers))] + [
+            f"trainer {r}" for r in range(len(self.trainers))
+        ]
+        for name, info in zip(names, ready, strict=True):
+            spawn = spawn_span(self.actors_submitted_at, info["startup"])
+            self.actor_startup[name] = ([spawn] if spawn else []) + list(info["startup"])
         if resume_from is not None:
-            self._restore(resume_from)
+            with self.startup.record("restore"):
+                self._restore(resume_from)
+        sync_started = time.time()
         senders = stage_senders([info["sync_stage"] for info in ready[len(self.producers) :]])
         addresses = _gather(
             [
@@ -226,6 +243,7 @@ class Driver:
         )
         if resume_from is not None:
             self._sync_weights(self.policy_version)
+        self.startup.add("weight sync", sync_started, time.time())
         logger.info("actors ready in %.1fs", time.perf_counter() - started)
 
     # ------------------------------------------------------------------ evaluation
@@ -251,7 +269,8 @@ class Driver:
     # ------------------------------------------------------------------ the round loop
     def run(self, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
         if self.eval_before is None:
-            self.eval_before = self.evaluate()
+            with self.startup.record("eval before"):
+                self.eval_before = self.evaluate()
             self.next_eval_step = self.config.run.eval_interval
         n_behind = self.config.schedule.n_behind
         for r in range(self.next_round, min(self.next_round + n_behind + 1, rounds)):
@@ -300,7 +319,35 @@ class Driver:
         sample_step = self._rollout_sample_step()
         train_refs = self.named("train_round", "trainer", round_index, self.buffer, sample_step)
         results = _gather(train_refs + self.pending_produce.pop(round_index), self.timeout)
+        if not self.startup_reported:
+            self._report_startup(round_index, results[len(self.trainers) :])
         self._log_round(results[: len(self.trainers)], results[len(self.trainers) :], progress)
+
+    def _report_startup(self, round_index: int, producer_metrics: list[dict]) -> None:
+        """Log and write (``startup.json``) where the time to this run's first round of rollouts went."""
+        arrivals = ray.get(self.buffer.arrival_times.remote(round_index), timeout=self.timeout)
+        ready_at = max(arrivals.values()) if arrivals else time.time()
+        driver = self.startup.drain()
+        if driver and driver[-1].end < ready_at:  # what the driver waited for after its own last phase
+            driver.append(Span(FIRST_ROUND, driver[-1].end, ready_at))
+        spans = {"driver": tuple(driver)}
+        for rank, metrics in enumerate(producer_metrics):
+            name = f"producer {rank}"
+            actor_spans = list(self.actor_startup.get(name, []))
+            if rank in arrivals and "time/produce_s" in metrics:  # restored rounds were not produced by this run
+                actor_spans.append(Span(FIRST_ROUND, arrivals[rank] - metrics["time/produce_s"], arrivals[rank]))
+            spans[name] = tuple(actor_spans)
+        spans |= {name: tuple(s) for name, s in self.actor_startup.items() if name.startswith("trainer")}
+        report = StartupReport(
+            origin=self.startup_origin,
+            spans=spans,
+            first_round_ready_at=ready_at,
+        )
+        report.write(self.run_dir)
+        for line in report.lines():
+            logger.info("%s", line)
+        self.metrics.log("startup", self.step, {"time/first_rollout_s": report.time_to_first_rollout_s})
+        self.startup_reported = True
 
     def _sync_weights(self, version: int) -> None:
         started = time.perf_counter()
@@ -450,24 +497,29 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     """Train with ``config`` (validated here) and return what happened; Ray is started if needed."""
     from colossal_rl.data import load_jsonl_rows
 
-    config.validate()
+    startup = PhaseRecorder()
+    startup.add("python+flags", process_started_at(), time.time())
     started = time.perf_counter()
-    rounds = total_rounds(config, len(load_jsonl_rows(config.data.train_path)))
-    resume_from = _checkpoint_to_resume(config)
-    if config.run.eval_save_dir:
-        prepare_eval_dir(
-            Path(config.run.eval_save_dir), overwrite=config.run.overwrite_eval_dir or resume_from is not None
-        )
-    run_dir = make_run_dir(config)
-    metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
+    with startup.record("inputs"):
+        config.validate()
+        rounds = total_rounds(config, len(load_jsonl_rows(config.data.train_path)))
+        resume_from = _checkpoint_to_resume(config)
+        if config.run.eval_save_dir:
+            prepare_eval_dir(
+                Path(config.run.eval_save_dir), overwrite=config.run.overwrite_eval_dir or resume_from is not None
+            )
+        run_dir = make_run_dir(config)
+    with startup.record("metrics"):
+        metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
     logger.info(
         "run directory: %s (%d rounds, %d optimizer steps per round)", run_dir, rounds, config.optimizer_steps_per_round
     )
     started_ray = not ray.is_initialized()
-    init_ray(config)
+    with startup.record("ray start"):
+        init_ray(config)
     driver = None
     try:
-        driver = Driver(config, run_dir, metrics)
+        driver = Driver(config, run_dir, metrics, startup)
         driver.start(resume_from)
         before, after = driver.run(rounds)
     finally:

@@ -49,8 +49,12 @@ class PhaseRecorder:
         try:
             yield
         finally:
-            if self.enabled and len(self._spans) < self.max_spans:
-                self._spans.append(Span(phase, start, time.time()))
+            self.add(phase, start, time.time())
+
+    def add(self, phase: str, start: float, end: float) -> None:
+        """A phase timed elsewhere (wall-clock ``start`` and ``end``)."""
+        if self.enabled and len(self._spans) < self.max_spans:
+            self._spans.append(Span(phase, start, end))
 
     def drain(self) -> list[Span]:
         spans, self._spans = self._spans, []

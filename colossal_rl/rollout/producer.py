@@ -63,25 +63,20 @@ class Producer:
         self.rank = rank
         self.config = config
         self.policy_version = 0
-        self.backend = create_backend(
-            config.generation.backend,
-            config.model.path,
-            tensor_parallel_size=config.generation.tensor_parallel_size,
-            seed=config.run.seed,
-            vllm_engine=config.generation.vllm,
-            max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
-            trust_remote_code=config.model.trust_remote_code,
-            weights_dtype=VLLM_DTYPES[config.parallel.precision],
-        )
+        self.startup = PhaseRecorder()
+        """Start-up phases (always recorded; see ``colossal_rl.startup``)."""
+        with self.startup.record("model"):
+            self.backend = self._create_backend(config)
         self.tokenizer = self.backend.tokenizer
         self.reward_scorer = reward_scorer
         system_prompt = system_prompt_for(config.reward.reward_type, config.data.system_prompt)
         max_prompt = config.data.max_prompt_tokens
-        self.train_data = load_prompt_dataset(config.data.train_path, self.tokenizer, system_prompt, max_prompt)
-        self.eval_data = {
-            task: load_prompt_dataset(path, self.tokenizer, system_prompt, max_prompt)
-            for task, path in config.data.eval_paths
-        }
+        with self.startup.record("datasets"):
+            self.train_data = load_prompt_dataset(config.data.train_path, self.tokenizer, system_prompt, max_prompt)
+            self.eval_data = {
+                task: load_prompt_dataset(path, self.tokenizer, system_prompt, max_prompt)
+                for task, path in config.data.eval_paths
+            }
         self.schedule = EpisodeSchedule(
             num_rows=len(self.train_data),
             num_producers=config.schedule.num_producers,
@@ -91,6 +86,19 @@ class Producer:
         self._infra_errors = 0
         self._scored = 0
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
+
+    @staticmethod
+    def _create_backend(config: RLConfig):
+        return create_backend(
+            config.generation.backend,
+            config.model.path,
+            tensor_parallel_size=config.generation.tensor_parallel_size,
+            seed=config.run.seed,
+            vllm_engine=config.generation.vllm,
+            max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
+            trust_remote_code=config.model.trust_remote_code,
+            weights_dtype=VLLM_DTYPES[config.parallel.precision],
+        )
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompt_ids: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:

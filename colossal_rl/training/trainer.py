@@ -107,13 +107,16 @@ class Trainer:
         self.on_cpu = not torch.cuda.is_available()
         self.device = None if device is None else torch.device(device)
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
+        self.startup = PhaseRecorder()
+        """Start-up phases (always recorded; see ``colossal_rl.startup``)."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Start the consumers' process group (once per process), then :meth:`build`."""
-        from colossal_rl.training.plugins import launch_colossalai
-
-        launch_colossalai(self.rank, self.world_size, self.master_addr, self.master_port, on_cpu=self.on_cpu)
+        with self.startup.record("colossalai import"):
+            from colossal_rl.training.plugins import launch_colossalai
+        with self.startup.record("process group"):
+            launch_colossalai(self.rank, self.world_size, self.master_addr, self.master_port, on_cpu=self.on_cpu)
         self.build()
 
     def build(self, plugin: Plugin | None = None) -> None:
@@ -137,20 +140,25 @@ class Trainer:
         )
         self.booster = Booster(plugin=self.plugin)
         dtype = _DTYPES[parallel.precision]
-        model = load_policy(
-            self.config.model.path,
-            dtype=dtype,
-            device=self.device,
-            attn_implementation=train.attn_implementation,
-            gradient_checkpointing=train.gradient_checkpointing,
-            trust_remote_code=self.config.model.trust_remote_code,
-        )
+        with self.startup.record("model"):
+            model = load_policy(
+                self.config.model.path,
+                dtype=dtype,
+                device=self.device,
+                attn_implementation=train.attn_implementation,
+                gradient_checkpointing=train.gradient_checkpointing,
+                trust_remote_code=self.config.model.trust_remote_code,
+            )
         optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
         lr_scheduler = warmup_then_constant(optimizer, train.warmup_steps)
-        self.model, self.optimizer, _, _, self.lr_scheduler = self.booster.boost(
-            model, optimizer, lr_scheduler=lr_scheduler
-        )
-        self.reference_model = self._build_reference_model(dtype) if self.config.algorithm.kl_coeff > 0 else None
+        with self.startup.record("boost"):
+            self.model, self.optimizer, _, _, self.lr_scheduler = self.booster.boost(
+                model, optimizer, lr_scheduler=lr_scheduler
+            )
+        self.reference_model = None
+        if self.config.algorithm.kl_coeff > 0:
+            with self.startup.record("reference model"):
+                self.reference_model = self._build_reference_model(dtype)
         self.dp_group = self._data_parallel_group()
         self.tp_group = tensor_parallel_group(self.plugin)
         """Set when the policy's logits come vocab-sharded over this group (tensor parallelism)."""
@@ -159,9 +167,10 @@ class Trainer:
         """Set under pipeline parallelism: train steps go through ``booster.execute_pipeline``."""
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
-        tokenizer = AutoTokenizer.from_pretrained(
-            self.config.model.path, trust_remote_code=self.config.model.trust_remote_code
-        )
+        with self.startup.record("tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(
+                self.config.model.path, trust_remote_code=self.config.model.trust_remote_code
+            )
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.micro_forward = MicroBatchForward(
             self.config,

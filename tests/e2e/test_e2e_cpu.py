@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
 from colossal_rl.metrics import MetricsLogger, read_metrics
+from colossal_rl.startup import phase_seconds_from_json, read_startup
 
 REPO = Path(__file__).resolve().parents[2]
 LEARNS_MIN_GAIN = 0.2
@@ -140,6 +142,7 @@ def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
         assert noise not in output, noise
     (run_dir,) = list(tmp_path.iterdir())
     assert f"trained model {run_dir / 'final'}" in output
+    _assert_startup_breakdown(run_dir, output, num_producers=2, num_trainers=2)
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 4, 6]
@@ -150,3 +153,42 @@ def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
     while (leftover := _ray_worker_pids() - before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not leftover, f"Ray processes left behind: {leftover}"
+
+
+def _assert_startup_breakdown(run_dir, output: str, *, num_producers: int, num_trainers: int) -> None:
+    """Every actor's start-up phases are recorded, in order, inside the time to the first round of rollouts."""
+    record = read_startup(run_dir)
+    first_rollout = record["time_to_first_rollout_s"]
+    assert f"first round of rollouts ready {first_rollout:.1f}s" in output
+    expected = {
+        "driver": [
+            "python+flags",
+            "inputs",
+            "metrics",
+            "ray start",
+            "actors",
+            "weight sync",
+            "eval before",
+            "first round",
+        ],
+        **{
+            f"producer {r}": ["spawn", "imports", "reward", "model", "datasets", "first round"]
+            for r in range(num_producers)
+        },
+        **{
+            f"trainer {r}": ["spawn", "imports", "colossalai import", "process group", "model", "boost", "tokenizer"]
+            for r in range(num_trainers)
+        },
+    }
+    assert {actor: [s["phase"] for s in spans] for actor, spans in record["actors"].items()} == expected
+    for actor, spans in record["actors"].items():
+        for earlier, later in itertools.pairwise(spans):
+            assert earlier["end_s"] <= later["start_s"] + 0.01, (actor, earlier, later)  # one after the other
+        assert 0 <= spans[0]["start_s"] and spans[-1]["end_s"] <= first_rollout + 0.01, (actor, spans)
+    (actors_phase,) = [s for s in record["actors"]["driver"] if s["phase"] == "actors"]
+    for actor in expected:
+        if actor != "driver":  # an actor's phases start when the driver submits it and end before it is ready
+            assert record["actors"][actor][0]["start_s"] >= actors_phase["start_s"] - 0.01
+            setup = [s for s in record["actors"][actor] if s["phase"] != "first round"]
+            assert setup[-1]["end_s"] <= actors_phase["end_s"] + 0.01
+            assert phase_seconds_from_json(record, actor)["model"] > 0
