@@ -22,7 +22,9 @@ Tolerances, per precision of the reference (observed worst cases in brackets; se
 - fp32, DDP: bit-identical — each rank's half-batch gradient is one of the reference's two micro-batch
   gradients, summed in the same order, and the scaling by 2 is exact [identical].
 - fp32, ZeRO-1/2, TP=2, PP=2: only the summation order differs (reduce-scatter, sharded matmuls, smaller
-  pipeline micro-batches). Grad norms: rtol 2e-5 [2.6e-6]; losses: atol 5e-5, i.e. relative to the
+  pipeline micro-batches). Grad norms: rtol 2e-5 at the first step [2.6e-6]; at later steps, whose weights
+  already differ by Adam drift (below), rtol 2e-4 [2.07e-5 under PP=2 at step 3, in one CI run of
+  2026-11-24: the run-to-run order of the pipeline's sums varies]; losses: atol 5e-5, i.e. relative to the
   loss terms' size (~0.5), since the step loss is a difference of a KL and a policy term [1.1e-5 on a
   step loss of 0.06]. Weights: Adam turns rounding-level differences of near-zero gradients into
   differences of up to a whole step (lr), so no element-wise ulp bound holds [3,142 of 815k elements
@@ -113,6 +115,7 @@ class Tolerance:
     loss_atol: float
     loss_rtol: float
     grad_norm_rtol: float
+    """The first step's gradient norm: same weights, only the summation order differs."""
     weight_atol: float
     """Element-wise, times max(1, the tensor's largest magnitude)."""
     update_rtol: float | None = None
@@ -121,12 +124,21 @@ class Tolerance:
     """Low precision: element-wise, ``weight_atol`` plus one step of the weights' dtype at the element (not
     scaled by the tensor's largest magnitude), and ||weights - reference|| at most ||one step on every
     element|| (instead of ``update_rtol``)."""
+    trained_grad_norm_rtol: float | None = None
+    """Later steps' gradient norms, taken at weights that already differ by Adam drift; None: ``grad_norm_rtol``."""
 
 
 ADAM_DRIFT = 2 * LEARNING_RATE * NUM_STEPS  # two Adam runs move an element at most lr each per step
 EXACT = Tolerance(loss_atol=0.0, loss_rtol=0.0, grad_norm_rtol=0.0, weight_atol=0.0, update_rtol=0.0)
 TOLERANCES = {
-    "fp32": Tolerance(loss_atol=5e-5, loss_rtol=0.0, grad_norm_rtol=2e-5, weight_atol=ADAM_DRIFT, update_rtol=2e-3),
+    "fp32": Tolerance(
+        loss_atol=5e-5,
+        loss_rtol=0.0,
+        grad_norm_rtol=2e-5,
+        trained_grad_norm_rtol=2e-4,
+        weight_atol=ADAM_DRIFT,
+        update_rtol=2e-3,
+    ),
     "bf16": Tolerance(loss_atol=1e-3, loss_rtol=2e-2, grad_norm_rtol=2e-2, weight_atol=ADAM_DRIFT, rounding_steps=True),
 }
 
@@ -360,7 +372,10 @@ def test_layout_trains_like_single_process(results, layout):
         torch.testing.assert_close(
             rank["losses"], reference["losses"], rtol=tolerance.loss_rtol, atol=tolerance.loss_atol
         )
-        torch.testing.assert_close(rank["grad_norms"], reference["grad_norms"], rtol=tolerance.grad_norm_rtol, atol=0)
+        first, later = rank["grad_norms"][:1], rank["grad_norms"][1:]
+        torch.testing.assert_close(first, reference["grad_norms"][:1], rtol=tolerance.grad_norm_rtol, atol=0)
+        later_rtol = tolerance.trained_grad_norm_rtol or tolerance.grad_norm_rtol
+        torch.testing.assert_close(later, reference["grad_norms"][1:], rtol=later_rtol, atol=0)
         torch.testing.assert_close(  # a per-token mean like the loss terms: the loss tolerances apply
             rank["entropies"], reference["entropies"], rtol=tolerance.loss_rtol, atol=tolerance.loss_atol
         )
