@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,38 +34,69 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsLogger:
+    """Appends every record to ``metrics.jsonl`` at once; wandb gets them too once its run has started.
+
+    wandb starts in a background thread (importing it and starting its service takes seconds, which would
+    otherwise delay Ray and the actors); records logged before it is ready are kept and handed over in order.
+    """
+
+    WANDB_START_TIMEOUT_S = 120.0
+
     def __init__(self, run_dir: Path, project: str, config_dict: dict[str, Any], use_wandb: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a", encoding="utf-8")
         self._wandb_run = None
+        self._wandb_backlog: list[tuple[int, dict[str, float]]] = []
+        self._wandb_lock = threading.Lock()
+        self._wandb_start: threading.Thread | None = None
         if use_wandb and wandb_mode() != "disabled":
-            self._wandb_run = self._start_wandb(project, config_dict)
+            self._wandb_start = threading.Thread(
+                target=self._start_wandb, args=(project, config_dict), name="wandb-start", daemon=True
+            )
+            self._wandb_start.start()
 
-    def _start_wandb(self, project: str, config_dict: dict[str, Any]):
+    def _start_wandb(self, project: str, config_dict: dict[str, Any]) -> None:
         try:
             import wandb
 
-            return wandb.init(
-                project=project, dir=str(self.run_dir), config=config_dict, mode=wandb_mode(), reinit=True
-            )
+            run = wandb.init(project=project, dir=str(self.run_dir), config=config_dict, mode=wandb_mode(), reinit=True)
         except Exception as error:  # wandb is a convenience: the jsonl file is the record
             logger.warning("wandb could not start (%s); metrics go to %s only", error, self.path)
-            return None
+            with self._wandb_lock:
+                self._wandb_backlog.clear()
+            return
+        with self._wandb_lock:
+            for step, metrics in self._wandb_backlog:
+                run.log(metrics, step=step)
+            self._wandb_backlog.clear()
+            self._wandb_run = run
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         record = {"kind": kind, "step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=step)
+        if self._wandb_start is None:
+            return
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        with self._wandb_lock:
+            if self._wandb_run is not None:
+                self._wandb_run.log(numbers, step=step)
+            elif self._wandb_start.is_alive():
+                self._wandb_backlog.append((step, numbers))
 
     def close(self) -> None:
         self._file.close()
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
-            self._wandb_run = None
+        if self._wandb_start is None:
+            return
+        self._wandb_start.join(timeout=self.WANDB_START_TIMEOUT_S)
+        if self._wandb_start.is_alive():
+            logger.warning("wandb did not start within %.0fs; metrics are in %s", self.WANDB_START_TIMEOUT_S, self.path)
+        with self._wandb_lock:
+            run, self._wandb_run, self._wandb_start = self._wandb_run, None, None
+        if run is not None:
+            run.finish()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
