@@ -2,7 +2,9 @@
 
 Schedule (deterministic, so staleness is exact and a run is reproducible):
   producers generate round r with weights version max(0, r - n_behind);
-  trainers train round r holding version r, then push version r + 1 to every producer.
+  trainers train round r holding version r, then push version r + 1 to every producer;
+  the eval before training runs on the producers right after the first round's generation (version 0
+  still), so it overlaps the first round's training instead of delaying it.
 Each actor executes its calls in submission order, so the order of submissions below *is*
 the schedule; the driver only waits (always with a timeout) for results and failures.
 """
@@ -23,10 +25,10 @@ import ray
 from tqdm import tqdm
 
 from colossal_rl import checkpoint as ckpt
-from colossal_rl.comm.transports import check_transport_for_cluster
-from colossal_rl.comm.weight_sync import stage_senders
+from colossal_rl.comm.sync_stages import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.metrics import MetricsLogger
+from colossal_rl.placement import check_transport_for_cluster
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.run_outputs import (
     eval_dir,
@@ -202,6 +204,7 @@ class Driver:
         self.next_eval_step = 0
         self.last_saved_step = 0
         self.eval_before: dict[str, float] | None = None
+        self.eval_before_refs: list[tuple[str, ray.ObjectRef]] | None = None
         self.pending_produce: dict[int, list[tuple[str, ray.ObjectRef]]] = {}
         self.eval_dir = eval_dir(run_dir, config.run.eval_save_dir)
         self.rollout_dir = rollout_dir(run_dir, config.run.rollout_save_dir)
@@ -251,6 +254,18 @@ class Driver:
         results = _gather(self.named("evaluate", "producer"), self.timeout)
         return self._log_eval(results)
 
+    def _submit_eval_before(self) -> None:
+        """Queue the eval of the untrained policy on the producers (once; not on resume)."""
+        if self.eval_before is None and self.eval_before_refs is None:
+            self.eval_before_refs = self.named("evaluate", "producer")
+
+    def _log_eval_before(self) -> None:
+        """Wait for the eval before training, if queued and not logged yet, and log it at the current step."""
+        if self.eval_before_refs is not None:
+            self.eval_before = self._log_eval(_gather(self.eval_before_refs, self.timeout))
+            self.eval_before_refs = None
+            self.next_eval_step = self.config.run.eval_interval
+
     def _log_eval(self, results) -> dict[str, float]:
         correct: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -268,14 +283,12 @@ class Driver:
 
     # ------------------------------------------------------------------ the round loop
     def run(self, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
-        if self.eval_before is None:
-            with self.startup.record("eval before"):
-                self.eval_before = self.evaluate()
-            self.next_eval_step = self.config.run.eval_interval
         n_behind = self.config.schedule.n_behind
         for r in range(self.next_round, min(self.next_round + n_behind + 1, rounds)):
             if r not in self.pending_produce:  # restored rounds are already in the buffer
                 self.pending_produce[r] = self.named("produce", "producer", r, self.buffer)
+            self._submit_eval_before()  # right behind the first round: same weights, and round one need not wait
+        self._submit_eval_before()
         progress = tqdm(
             total=rounds * self.config.optimizer_steps_per_round, initial=self.step, desc="optimizer steps", unit="step"
         )
@@ -294,6 +307,7 @@ class Driver:
             if round_index + 1 + n_behind < rounds:
                 next_produce = round_index + 1 + n_behind
                 self.pending_produce[next_produce] = self.named("produce", "producer", next_produce, self.buffer)
+        self._log_eval_before()
         progress.close()
         if self.config.run.final_export:
             self.export_final_model()
@@ -321,6 +335,7 @@ class Driver:
         results = _gather(train_refs + self.pending_produce.pop(round_index), self.timeout)
         if not self.startup_reported:
             self._report_startup(round_index, results[len(self.trainers) :])
+        self._log_eval_before()
         self._log_round(results[: len(self.trainers)], results[len(self.trainers) :], progress)
 
     def _report_startup(self, round_index: int, producer_metrics: list[dict]) -> None:

@@ -168,7 +168,6 @@ def _assert_startup_breakdown(run_dir, output: str, *, num_producers: int, num_t
             "ray start",
             "actors",
             "weight sync",
-            "eval before",
             "first round",
         ],
         **{
@@ -185,7 +184,9 @@ def _assert_startup_breakdown(run_dir, output: str, *, num_producers: int, num_t
         for earlier, later in itertools.pairwise(spans):
             assert earlier["end_s"] <= later["start_s"] + 0.01, (actor, earlier, later)  # one after the other
         assert 0 <= spans[0]["start_s"] and spans[-1]["end_s"] <= first_rollout + 0.01, (actor, spans)
-    (actors_phase,) = [s for s in record["actors"]["driver"] if s["phase"] == "actors"]
+    driver = record["actors"]["driver"]
+    assert driver[-1]["end_s"] == pytest.approx(first_rollout, abs=0.01)  # the driver's line adds up to the total
+    (actors_phase,) = [s for s in driver if s["phase"] == "actors"]
     for actor in expected:
         if actor != "driver":  # an actor's phases start when the driver submits it and end before it is ready
             assert record["actors"][actor][0]["start_s"] >= actors_phase["start_s"] - 0.01
