@@ -12,20 +12,25 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
-from colossal_rl.batch import RolloutBatch, concat_batches
 from colossal_rl.comm.buffer import Assignment, BufferSnapshot, RoundBuffer
-from colossal_rl.comm.token_balance import group_token_costs
 from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
+
+if TYPE_CHECKING:  # torch is imported by the producer and trainer actors only: the driver and buffer never need it
+    import torch
+
+    from colossal_rl.batch import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
 
 def _configure_worker(num_threads: int) -> None:
+    import torch
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(max(1, num_threads))
 
@@ -110,6 +115,8 @@ class BufferActor:
 
 def assemble_steps(assignment: Assignment, groups_per_step: int, pad_token_id: int) -> list[RolloutBatch]:
     """Fetch the payloads of an assignment and cut them into one batch per optimizer step."""
+    from colossal_rl.batch import concat_batches
+
     unique = {id(g.payload): g.payload for g in assignment.groups}
     fetched = dict(zip(unique, ray.get(list(unique.values())), strict=True))
     steps = []
@@ -193,6 +200,8 @@ class ProducerActor:
             self.producer.load_weights(received_version, tensors)
 
     def produce(self, round_index: int, buffer) -> dict[str, float]:
+        from colossal_rl.comm.token_balance import group_token_costs
+
         batch, metrics = self.producer.produce(round_index)
         with self.producer.phases.record("put"):
             payload = [ray.put(batch)] if batch is not None else []

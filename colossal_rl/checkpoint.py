@@ -25,8 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from colossal_rl.comm.buffer import BufferSnapshot
 
 logger = logging.getLogger(__name__)
@@ -97,6 +95,8 @@ def staging_dir(checkpoints_dir: Path, step: int) -> Path:
 
 def commit(staging: Path, state: RunState, buffer: BufferSnapshot) -> Path:
     """Write the driver's files into ``staging`` and rename it to its final name; returns the final path."""
+    import torch  # here, not at import: the driver imports torch only when it checkpoints
+
     torch.save(buffer, staging / BUFFER_FILE)
     (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, sort_keys=True), encoding="utf-8")
     final = staging.parent / checkpoint_name(state.step)
@@ -156,6 +156,8 @@ def load_state(checkpoint: Path) -> RunState:
 def load_buffer(checkpoint: Path) -> BufferSnapshot:
     path = Path(checkpoint) / BUFFER_FILE
     try:
+        import torch
+
         return torch.load(path, weights_only=False)  # our own file: rollout batches are dataclasses
     except (OSError, RuntimeError, EOFError) as error:
         raise CheckpointError(f"{path}: unreadable buffer snapshot ({error})") from None

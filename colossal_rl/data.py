@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def build_messages(row_messages: Any, system_prompt: str | None) -> list[dict[str, str]]:
     """Chat messages for one row: the system prompt (if any) followed by the row's messages."""
@@ -127,6 +125,8 @@ class EpisodeSchedule:
 
     def rows_for(self, global_round: int, producer_rank: int) -> list[int]:
         episode, round_in_episode = divmod(global_round, self.rounds_per_episode)
+        import torch  # here, not at import: the driver reads datasets and counts rounds without torch
+
         generator = torch.Generator().manual_seed(self.seed + episode)
         order = torch.randperm(self.num_rows, generator=generator)
         start = round_in_episode * self.rows_per_round + producer_rank * self.prompts_per_producer

@@ -137,6 +137,19 @@ def alive_nodes(ray_nodes: Iterable[Mapping[str, Any]]) -> list[NodeInfo]:
     return sorted(nodes, key=lambda n: (not n.is_head, n.address, n.node_id))
 
 
+GPU_ONLY_TRANSPORTS = frozenset({"ray_nccl"})
+"""Weight-sync transports (``--weight-sync-backend``) that carry CUDA tensors only."""
+
+
+def check_transport_for_cluster(transport: str, ray_nodes: Iterable[Mapping[str, Any]]) -> None:
+    """Before any actor starts: a GPU-only transport needs GPU placement (some alive node has GPUs)."""
+    if transport in GPU_ONLY_TRANSPORTS and not any(node.num_gpus > 0 for node in alive_nodes(ray_nodes)):
+        raise PlacementError(
+            f"--weight-sync-backend {transport} needs GPUs (it carries CUDA tensors only); the Ray cluster has "
+            "none: use --weight-sync-backend torch"
+        )
+
+
 def plan_placement(nodes: list[NodeInfo], *, num_producers: int, producer_gpus: int, num_trainers: int) -> Placement:
     """Producers (``producer_gpus`` GPUs each, on one node) then trainers (1 GPU each), first fit in node order."""
     if not nodes:

@@ -3,78 +3,62 @@
 Module-level functions of tensors and plain floats only: no configs, no ``self``, and no ray,
 torch.distributed or colossalai imports. The training and rollout layers read ``AlgorithmConfig`` and
 look functions up here by name; a new estimator or loss is a new registered function.
+
+Names are imported from their modules on first use (PEP 562): importing one light module of this package
+(``registry``) does not pull in torch.
 """
 
-from colossal_rl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    dr_grpo_advantages,
-    grpo_advantages,
-    reinforce_advantages,
-    reinforce_ppb_advantages,
-    reinforce_ppb_sample_advantages,
-    rloo_advantages,
-)
-from colossal_rl.algorithms.filters import (
-    dynamic_sampling_group_mask,
-    filter_truncated_response,
-    soft_over_length_penalty,
-)
-from colossal_rl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
-from colossal_rl.algorithms.logprobs import (
-    DEFAULT_CHUNK_SIZE,
-    align_to_response,
-    entropy_from_hidden,
-    entropy_from_logits,
-    logprobs_from_hidden,
-    logprobs_from_logits,
-)
-from colossal_rl.algorithms.losses import (
-    LOSS_AGGREGATIONS,
-    POLICY_LOSSES,
-    PolicyLossOutput,
-    clipped_policy_loss,
-    gspo_policy_loss,
-    masked_mean,
-    sample_level_loss,
-    seq_mean_token_sum_loss,
-    skip_threshold_mask,
-    token_level_loss,
-)
-from colossal_rl.algorithms.off_policy import off_policy_metrics, truncated_importance_weights
-from colossal_rl.algorithms.registry import Registry
+from __future__ import annotations
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "DEFAULT_CHUNK_SIZE",
-    "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS",
-    "POLICY_LOSSES",
-    "PolicyLossOutput",
-    "Registry",
-    "align_to_response",
-    "clipped_policy_loss",
-    "dr_grpo_advantages",
-    "dynamic_sampling_group_mask",
-    "entropy_from_hidden",
-    "entropy_from_logits",
-    "filter_truncated_response",
-    "grpo_advantages",
-    "gspo_policy_loss",
-    "kl_k1",
-    "kl_k2",
-    "kl_k3",
-    "logprobs_from_hidden",
-    "logprobs_from_logits",
-    "masked_mean",
-    "off_policy_metrics",
-    "reinforce_advantages",
-    "reinforce_ppb_advantages",
-    "reinforce_ppb_sample_advantages",
-    "rloo_advantages",
-    "sample_level_loss",
-    "seq_mean_token_sum_loss",
-    "skip_threshold_mask",
-    "soft_over_length_penalty",
-    "token_level_loss",
-    "truncated_importance_weights",
-]
+import importlib
+
+_EXPORTS = {
+    "ADVANTAGE_ESTIMATORS": "colossal_rl.algorithms.advantages",
+    "dr_grpo_advantages": "colossal_rl.algorithms.advantages",
+    "grpo_advantages": "colossal_rl.algorithms.advantages",
+    "reinforce_advantages": "colossal_rl.algorithms.advantages",
+    "reinforce_ppb_advantages": "colossal_rl.algorithms.advantages",
+    "reinforce_ppb_sample_advantages": "colossal_rl.algorithms.advantages",
+    "rloo_advantages": "colossal_rl.algorithms.advantages",
+    "dynamic_sampling_group_mask": "colossal_rl.algorithms.filters",
+    "filter_truncated_response": "colossal_rl.algorithms.filters",
+    "soft_over_length_penalty": "colossal_rl.algorithms.filters",
+    "KL_ESTIMATORS": "colossal_rl.algorithms.kl",
+    "kl_k1": "colossal_rl.algorithms.kl",
+    "kl_k2": "colossal_rl.algorithms.kl",
+    "kl_k3": "colossal_rl.algorithms.kl",
+    "DEFAULT_CHUNK_SIZE": "colossal_rl.algorithms.logprobs",
+    "align_to_response": "colossal_rl.algorithms.logprobs",
+    "entropy_from_hidden": "colossal_rl.algorithms.logprobs",
+    "entropy_from_logits": "colossal_rl.algorithms.logprobs",
+    "logprobs_from_hidden": "colossal_rl.algorithms.logprobs",
+    "logprobs_from_logits": "colossal_rl.algorithms.logprobs",
+    "LOSS_AGGREGATIONS": "colossal_rl.algorithms.losses",
+    "POLICY_LOSSES": "colossal_rl.algorithms.losses",
+    "PolicyLossOutput": "colossal_rl.algorithms.losses",
+    "clipped_policy_loss": "colossal_rl.algorithms.losses",
+    "gspo_policy_loss": "colossal_rl.algorithms.losses",
+    "masked_mean": "colossal_rl.algorithms.losses",
+    "sample_level_loss": "colossal_rl.algorithms.losses",
+    "seq_mean_token_sum_loss": "colossal_rl.algorithms.losses",
+    "skip_threshold_mask": "colossal_rl.algorithms.losses",
+    "token_level_loss": "colossal_rl.algorithms.losses",
+    "off_policy_metrics": "colossal_rl.algorithms.off_policy",
+    "truncated_importance_weights": "colossal_rl.algorithms.off_policy",
+    "Registry": "colossal_rl.algorithms.registry",
+}
+"""Exported name -> the module that defines it."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,56 +1,50 @@
 """All distributed I/O: collective groups (torch standalone, Ray NCCL), weight sync, the rollout buffer.
 
-Importing this package pulls in torch only (no Ray, no cupy, no ColossalAI).
+Importing this package imports nothing heavy: each name below is imported from its module on first use
+(PEP 562), so the driver and the buffer actor, which use only ``buffer`` and ``sync_stages``, never import torch.
 """
 
-from colossal_rl.comm.process_group import (
-    Collective,
-    CollectiveError,
-    CollectiveTimeoutError,
-    StandaloneGroup,
-    backend_for_device,
-    create_standalone_group,
-    default_device,
-    find_free_port,
-)
-from colossal_rl.comm.ray_nccl_group import RayNcclGroup, create_ray_nccl_group
-from colossal_rl.comm.transports import WEIGHT_SYNC_TRANSPORTS, create_group
-from colossal_rl.comm.weight_sync import (
-    DEFAULT_BUCKET_BYTES,
-    WeightLayout,
-    WeightReceiver,
-    WeightSender,
-    exchange_layout,
-    host_as_sender,
-    join_as_receiver,
-    merge_stage_parts,
-    receive_stages,
-    stage_group_name,
-    stage_senders,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "WEIGHT_SYNC_TRANSPORTS",
-    "Collective",
-    "CollectiveError",
-    "CollectiveTimeoutError",
-    "RayNcclGroup",
-    "StandaloneGroup",
-    "WeightLayout",
-    "WeightReceiver",
-    "WeightSender",
-    "backend_for_device",
-    "create_group",
-    "create_ray_nccl_group",
-    "create_standalone_group",
-    "default_device",
-    "exchange_layout",
-    "find_free_port",
-    "host_as_sender",
-    "join_as_receiver",
-    "merge_stage_parts",
-    "receive_stages",
-    "stage_group_name",
-    "stage_senders",
-]
+import importlib
+
+_EXPORTS = {
+    "Collective": "colossal_rl.comm.process_group",
+    "CollectiveError": "colossal_rl.comm.process_group",
+    "CollectiveTimeoutError": "colossal_rl.comm.process_group",
+    "StandaloneGroup": "colossal_rl.comm.process_group",
+    "backend_for_device": "colossal_rl.comm.process_group",
+    "create_standalone_group": "colossal_rl.comm.process_group",
+    "default_device": "colossal_rl.comm.process_group",
+    "find_free_port": "colossal_rl.comm.process_group",
+    "RayNcclGroup": "colossal_rl.comm.ray_nccl_group",
+    "create_ray_nccl_group": "colossal_rl.comm.ray_nccl_group",
+    "WEIGHT_SYNC_TRANSPORTS": "colossal_rl.comm.transports",
+    "create_group": "colossal_rl.comm.transports",
+    "DEFAULT_BUCKET_BYTES": "colossal_rl.comm.weight_sync",
+    "WeightLayout": "colossal_rl.comm.weight_sync",
+    "WeightReceiver": "colossal_rl.comm.weight_sync",
+    "WeightSender": "colossal_rl.comm.weight_sync",
+    "exchange_layout": "colossal_rl.comm.weight_sync",
+    "host_as_sender": "colossal_rl.comm.weight_sync",
+    "join_as_receiver": "colossal_rl.comm.weight_sync",
+    "merge_stage_parts": "colossal_rl.comm.weight_sync",
+    "receive_stages": "colossal_rl.comm.weight_sync",
+    "stage_group_name": "colossal_rl.comm.sync_stages",
+    "stage_senders": "colossal_rl.comm.sync_stages",
+}
+"""Exported name -> the module that defines it."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -8,9 +8,10 @@ longest responses of a step on one rank by chance.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from colossal_rl.batch import RolloutBatch
+if TYPE_CHECKING:  # the buffer actor deals by these costs and never needs torch
+    from colossal_rl.batch import RolloutBatch
 
 
 def group_token_costs(batch: RolloutBatch, *, shared_prompt: bool) -> list[int]:
@@ -19,7 +20,7 @@ def group_token_costs(batch: RolloutBatch, *, shared_prompt: bool) -> list[int]:
     response = batch.response_mask.sum(-1).view(batch.num_groups, batch.group_size)
     prompt = batch.prompt_mask.sum(-1).view(batch.num_groups, batch.group_size)
     prompt_cost = prompt[:, 0] if shared_prompt else prompt.sum(-1)
-    return (response.sum(-1) + prompt_cost).to(torch.int64).tolist()
+    return (response.sum(-1) + prompt_cost).long().tolist()
 
 
 def balanced_parts(costs: list[int], num_parts: int) -> list[list[int]]:

@@ -15,14 +15,13 @@ it needs no cupy. ``weight_sync.py`` is one implementation over any ``Collective
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from colossal_rl.comm.process_group import Backend, Collective, backend_for_device, create_standalone_group
 from colossal_rl.comm.ray_nccl_group import create_ray_nccl_group
-from colossal_rl.placement import PlacementError, alive_nodes
+from colossal_rl.placement import GPU_ONLY_TRANSPORTS, check_transport_for_cluster  # noqa: F401  (re-exported)
 
 GroupFactory = Callable[..., Collective]
 """``factory(rank=, world_size=, host=, port=, timeout_s=, name=, device=)``: every member calls it at once."""
@@ -41,7 +40,6 @@ def _ray_nccl_group(
 
 
 WEIGHT_SYNC_TRANSPORTS: dict[str, GroupFactory] = {"torch": _torch_group, "ray_nccl": _ray_nccl_group}
-GPU_ONLY_TRANSPORTS = frozenset({"ray_nccl"})
 
 
 def transport_backend(transport: str, device: torch.device | str) -> Backend:
@@ -86,12 +84,3 @@ def create_group(
         name=name,
         device=torch.device(device),
     )
-
-
-def check_transport_for_cluster(transport: str, ray_nodes: Iterable[Mapping[str, Any]]) -> None:
-    """Before any actor starts: a GPU-only transport needs GPU placement (some alive node has GPUs)."""
-    if transport in GPU_ONLY_TRANSPORTS and not any(node.num_gpus > 0 for node in alive_nodes(ray_nodes)):
-        raise PlacementError(
-            f"--weight-sync-backend {transport} needs GPUs (it carries CUDA tensors only); the Ray cluster has "
-            "none: use --weight-sync-backend torch"
-        )

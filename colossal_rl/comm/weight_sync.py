@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from colossal_rl.comm.process_group import Collective, PendingCollective, device_for_backend
+from colossal_rl.comm.sync_stages import stage_group_name, stage_senders  # noqa: F401  (re-exported)
 from colossal_rl.comm.transports import create_group
 
 logger = logging.getLogger(__name__)
@@ -198,27 +199,6 @@ def merge_stage_parts(parts: list[Mapping[str, torch.Tensor]]) -> dict[str, torc
             merged[name] = tensor
             owner[name] = stage
     return merged
-
-
-def stage_group_name(stage: int) -> str:
-    """The weight-sync group of one pipeline stage's sender and all producers (stage 0 without PP)."""
-    return f"weight_sync/stage{stage}"
-
-
-def stage_senders(sync_stages: list[int | None]) -> list[int]:
-    """Which trainer rank sends each pipeline stage's weights (in stage order), from every trainer's stage or None."""
-    senders: dict[int, int] = {}
-    for rank, stage in enumerate(sync_stages):
-        if stage is None:
-            continue
-        if stage in senders:
-            raise RuntimeError(f"trainers {senders[stage]} and {rank} both claim to send pipeline stage {stage}")
-        senders[stage] = rank
-    if sorted(senders) != list(range(len(senders))) or not senders:
-        raise RuntimeError(
-            f"pipeline stages with a weight sender: {sorted(senders)}; expected 0, 1, ... with none missing"
-        )
-    return [senders[stage] for stage in range(len(senders))]
 
 
 def receive_stages(receivers: Sequence[WeightReceiver]) -> tuple[int, dict[str, torch.Tensor]]:

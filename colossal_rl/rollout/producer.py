@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +25,7 @@ from colossal_rl.rollout.backend import (
     eval_sampling,
     train_sampling,
 )
+from colossal_rl.rollout.eval_result import EvalResult
 from colossal_rl.rollout.postprocess import postprocess_rollout
 
 logger = logging.getLogger(__name__)
@@ -33,14 +33,6 @@ logger = logging.getLogger(__name__)
 
 class InfraErrorRateExceeded(RuntimeError):
     """Too many reward computations failed for infrastructure reasons: results would be meaningless."""
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    task: str
-    accuracy: float
-    num_prompts: int
-    records: list[dict]
 
 
 def concat_generation_outputs(parts: list[GenerationOutput], pad_token_id: int) -> GenerationOutput:

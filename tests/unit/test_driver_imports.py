@@ -1,0 +1,58 @@
+"""The driver never imports torch: its start-up is the serial part of every run's start (issue 23).
+
+Checked in a fresh interpreter doing what the driver does: parse the default flags, check the inputs, count the
+rounds, import the launch and actor modules, and unpickle what producers really send it (metrics, an eval result,
+start-up spans and logged rollout samples, made here by a real producer on the embedded model).
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+from colossal_rl.actors import rollout_samples
+from colossal_rl.config import RLConfig, ScheduleConfig
+from colossal_rl.reward import build_reward_scorer
+from colossal_rl.rollout.producer import Producer
+
+REPO = Path(__file__).resolve().parents[2]
+
+DRIVER = """
+import pickle, sys
+import rl_example
+config = rl_example.config_from_args(rl_example.build_parser().parse_args([]))
+rl_example.check_inputs(config)
+from colossal_rl.data import load_jsonl_rows
+from colossal_rl.launch import Driver, run_training, total_rounds
+import colossal_rl.actors, colossal_rl.startup
+assert total_rounds(config, len(load_jsonl_rows(config.data.train_path))) > 0
+received = pickle.loads(sys.stdin.buffer.read())
+assert received["eval"][0].task == "math" and received["metrics"]["rollout/accuracy"] >= 0
+heavy = sorted(name for name in ("torch", "transformers", "colossalai", "numpy") if name in sys.modules)
+print("heavy modules:", heavy)
+sys.exit(1 if heavy else 0)
+"""
+
+
+def test_the_driver_path_and_what_producers_send_it_need_no_torch():
+    config = RLConfig(schedule=ScheduleConfig(inference_batch_size=2))
+    scorer = build_reward_scorer(reward_type=config.reward.reward_type)
+    try:
+        producer = Producer(0, config, scorer)
+        batch, metrics = producer.produce(0)
+        received = {
+            "metrics": metrics,
+            "eval": producer.evaluate(num_producers=64),  # a few eval prompts
+            "startup": producer.startup.drain(),
+            "samples": rollout_samples(batch),
+            "data_indices": sorted(batch.data_indices),
+        }
+    finally:
+        scorer.close()
+    assert received["startup"], "the producer recorded no start-up phases"
+    result = subprocess.run(
+        [sys.executable, "-c", DRIVER], input=pickle.dumps(received), cwd=REPO, capture_output=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()[-2000:]
