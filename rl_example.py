@@ -38,6 +38,8 @@ FIELD_FLAGS = {
     "data.train_path": "-d/--dataset",
     "data.eval_paths": "-ed/--eval-dataset",
     "data.max_prompt_tokens": "-mpt/--max-prompt-tokens",
+    "data.prompt_key": "--prompt-key",
+    "data.answer_key": "--answer-key",
     "generation.num_generations": "-g/--num-generations",
     "generation.temperature": "-temp/--temperature",
     "generation.top_k": "-topk/--top-k",
@@ -98,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run the model's own code (auto_map in its config) when loading it, its tokenizer and config.",
     )
     p.add_argument("-cp", "--checkpoint-path", default=None, help="Resume from this checkpoint directory.")
-    p.add_argument("-d", "--dataset", default=defaults.data.train_path, help="Training prompts (jsonl).")
+    p.add_argument(
+        "-d",
+        "--dataset",
+        default=defaults.data.train_path,
+        help="Training prompts: jsonl, json, parquet, a saved datasets directory[@split] or a hub name[@split].",
+    )
     p.add_argument("-ed", "--eval-dataset", default=None, help='JSON map {"task": "path.jsonl"}; default: embedded.')
     p.add_argument("-p", "--project", default=defaults.run.project, help="Project / run name.")
     p.add_argument("-e", "--num-episodes", type=int, default=defaults.schedule.num_episodes)
@@ -156,7 +163,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-topp", "--top-p", type=float, default=defaults.generation.top_p)
     p.add_argument("-s", "--system-prompt", default=None, help="Default: the reward type's system prompt.")
     p.add_argument("-mnt", "--max-new-tokens", type=int, default=defaults.generation.max_new_tokens)
-    p.add_argument("-mpt", "--max-prompt-tokens", type=int, default=defaults.data.max_prompt_tokens)
+    p.add_argument(
+        "-mpt",
+        "--max-prompt-tokens",
+        type=int,
+        default=defaults.data.max_prompt_tokens,
+        help="Prompts longer than this (tokens, after the chat template) are left out, with a logged count.",
+    )
+    p.add_argument(
+        "--prompt-key",
+        default=defaults.data.prompt_key,
+        help="Dataset column holding the prompt: a string, a message object or a list of messages.",
+    )
+    p.add_argument(
+        "--answer-key",
+        default=defaults.data.answer_key,
+        help="Dataset column holding the reference answer (e.g. solution), read as gt_answer.",
+    )
     p.add_argument(
         "-ptp", "--producer-tensor-parallel-size", type=int, default=1, help="GPUs per producer (-b vllm only)."
     )
@@ -348,7 +371,7 @@ def _eval_paths(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     except json.JSONDecodeError as error:
         raise UsageError(f'-ed/--eval-dataset must be a JSON map like {{"task": "path.jsonl"}}: {error}') from None
     if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
-        raise UsageError("-ed/--eval-dataset must be a JSON map of task name to jsonl path")
+        raise UsageError("-ed/--eval-dataset must be a JSON map of task name to dataset source")
     return tuple(mapping.items())
 
 
@@ -371,6 +394,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 eval_paths=_eval_paths(args),
                 system_prompt=args.system_prompt,
                 max_prompt_tokens=args.max_prompt_tokens,
+                prompt_key=args.prompt_key,
+                answer_key=args.answer_key,
                 seed=args.seed + 42,
             ),
             generation=GenerationConfig(
@@ -454,11 +479,12 @@ def check_inputs(config: RLConfig) -> None:
     """Fail before starting Ray: datasets parse and the model directory exists (hub names are resolved later)."""
     from pathlib import Path
 
-    from colossal_rl.data import load_jsonl_rows
+    from colossal_rl.data_sources import RowKeys, load_prompt_rows
 
-    load_jsonl_rows(config.data.train_path)
+    keys = RowKeys.for_config(config)
+    load_prompt_rows(config.data.train_path, keys)
     for _, path in config.data.eval_paths:
-        load_jsonl_rows(path)
+        load_prompt_rows(path, keys)
     model = config.model.path
     looks_local = model.startswith((".", "/", "~")) or Path(model).exists() or model.count("/") != 1
     if looks_local and not (Path(model).expanduser() / "config.json").is_file():

@@ -167,6 +167,7 @@ class ProducerActor:
             "rank": self.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "train_rows": len(self.producer.train_data),
             "startup": self.startup.drain() + self.producer.startup.drain(),
         }
 

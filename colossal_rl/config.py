@@ -55,13 +55,18 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     train_path: str = str(EMBEDDED_TRAIN_DATA)
-    """Training prompts: a jsonl file in ColossalChat's math format."""
+    """Training prompts: jsonl, json, parquet, a saved datasets directory or a hub name (``name@split``);
+    see ``colossal_rl/data_sources.py``."""
     eval_paths: tuple[tuple[str, str], ...] = (("math", str(EMBEDDED_EVAL_DATA)),)
-    """(task name, jsonl path) pairs evaluated before training and every ``run.eval_interval`` steps."""
+    """(task name, source) pairs evaluated before training and every ``run.eval_interval`` steps."""
     system_prompt: str | None = None
     """System prompt prepended to every prompt; None uses the reward type's default."""
     max_prompt_tokens: int = 512
-    """Prompts longer than this (in tokens, after the chat template) are refused at load time."""
+    """Prompts longer than this (in tokens, after the chat template) are left out at load time, counted in the log."""
+    prompt_key: str = "messages"
+    """Column holding the prompt: a string (one user message), a message object or a list of them."""
+    answer_key: str = "gt_answer"
+    """Column holding the reference answer (e.g. ``solution`` in math datasets), read as ``gt_answer``."""
     seed: int = 42
     """Seed of the per-episode shuffle of the training prompts."""
 

@@ -1,4 +1,4 @@
-"""Prompt datasets: loading jsonl rows and turning them into model token ids.
+"""Prompt datasets: rows (from any source, see ``data_sources``) turned into model token ids.
 
 Rows follow ColossalChat's math format ``{"messages": {"role": "user", "content": ...}, "gt_answer": ...}``
 (``messages`` may also be a list of such dicts). Every prompt is encoded through
@@ -8,10 +8,16 @@ model's pre-training all share, so the model always sees the token sequence it w
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from colossal_rl.data_sources import DataError, RowKeys, load_prompt_rows
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataError", "EpisodeSchedule", "PromptDataset", "build_messages", "encode_prompt", "load_prompt_dataset"]
 
 
 def build_messages(row_messages: Any, system_prompt: str | None) -> list[dict[str, str]]:
@@ -27,73 +33,46 @@ def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
 
-class DataError(ValueError):
-    """A dataset file is missing, empty or malformed; the message names the file (and line)."""
-
-
-def load_jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a prompt jsonl file, validated: each has ``messages`` (a dict or a list of dicts with content)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset file not found: {path}")
-    rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{line_number}: invalid JSON ({error.msg} at column {error.colno})") from None
-            _check_row(row, path, line_number)
-            rows.append(row)
-    if not rows:
-        raise DataError(f"dataset file is empty: {path}")
-    return rows
-
-
-def _check_row(row: Any, path: Path, line_number: int) -> None:
-    where = f"{path}:{line_number}"
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if "messages" not in row:
-        raise DataError(f"{where}: missing key 'messages'")
-    messages = row["messages"]
-    message_list = [messages] if isinstance(messages, dict) else messages
-    if not isinstance(message_list, list) or not message_list:
-        raise DataError(f"{where}: 'messages' must be a message object or a non-empty list of them")
-    for message in message_list:
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
-            raise DataError(f"{where}: every message needs a 'role' and a string 'content'")
-
-
 @dataclass(frozen=True)
 class PromptDataset:
-    """Rows of one jsonl file with their encoded prompts (``prompt_ids[i]`` belongs to ``rows[i]``)."""
+    """Rows of one source with their encoded prompts (``prompt_ids[i]`` belongs to ``rows[i]``)."""
 
     path: str
     rows: list[dict[str, Any]]
     prompt_ids: list[list[int]]
+    dropped_overlong: int = 0
+    """Rows of the source left out for being longer than the prompt budget."""
 
     def __len__(self) -> int:
         return len(self.rows)
 
 
 def load_prompt_dataset(
-    path: str | Path, tokenizer, system_prompt: str | None, max_prompt_tokens: int
+    source: str | Path, tokenizer, system_prompt: str | None, max_prompt_tokens: int, keys: RowKeys | None = None
 ) -> PromptDataset:
-    """Load and encode a prompt file; a prompt longer than ``max_prompt_tokens`` is an error naming its line."""
-    rows = load_jsonl_rows(path)
-    prompt_ids = []
-    for index, row in enumerate(rows):
+    """Load and encode a prompt source; prompts longer than ``max_prompt_tokens`` are left out and counted
+    (logged), and a source with none short enough is an error."""
+    rows, prompt_ids = [], []
+    all_rows = load_prompt_rows(source, keys or RowKeys())
+    for row in all_rows:
         ids = encode_prompt(tokenizer, build_messages(row["messages"], system_prompt))
-        if len(ids) > max_prompt_tokens:
-            raise DataError(
-                f"{path}: row {index + 1} has {len(ids)} prompt tokens, more than -mpt/--max-prompt-tokens "
-                f"= {max_prompt_tokens}"
-            )
-        prompt_ids.append(ids)
-    return PromptDataset(path=str(path), rows=rows, prompt_ids=prompt_ids)
+        if len(ids) <= max_prompt_tokens:
+            rows.append(row)
+            prompt_ids.append(ids)
+    dropped = len(all_rows) - len(rows)
+    if not rows:
+        raise DataError(
+            f"{source}: all {len(all_rows)} prompts are longer than -mpt/--max-prompt-tokens = {max_prompt_tokens} tokens"
+        )
+    if dropped:
+        logger.warning(
+            "%s: left out %d of %d prompts longer than -mpt/--max-prompt-tokens = %d tokens",
+            source,
+            dropped,
+            len(all_rows),
+            max_prompt_tokens,
+        )
+    return PromptDataset(path=str(source), rows=rows, prompt_ids=prompt_ids, dropped_overlong=dropped)
 
 
 @dataclass(frozen=True)

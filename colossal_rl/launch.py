@@ -155,6 +155,7 @@ class Driver:
         self.startup_origin = process_started_at()
         self.actors_submitted_at = time.time()
         self.actor_startup: dict[str, list[Span]] = {}
+        self.train_rows: int | None = None
         self.startup_reported = False
 
         check_transport_for_cluster(config.run.weight_sync_backend, ray.nodes())  # before any actor starts
@@ -223,6 +224,11 @@ class Driver:
         names = [f"producer {r}" for r in range(len(self.producers))] + [
             f"trainer {r}" for r in range(len(self.trainers))
         ]
+        train_rows = {info["train_rows"] for info in ready[: len(self.producers)]}
+        if len(train_rows) != 1:
+            raise RunFailed(f"producers loaded different numbers of training prompts: {sorted(train_rows)}")
+        (self.train_rows,) = train_rows
+        """Training prompts the producers hold (over-long ones left out): what the round count is made of."""
         for name, info in zip(names, ready, strict=True):
             spawn = spawn_span(self.actors_submitted_at, info["startup"])
             self.actor_startup[name] = ([spawn] if spawn else []) + list(info["startup"])
@@ -510,14 +516,15 @@ def _checkpoint_to_resume(config: RLConfig) -> Path | None:
 
 def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     """Train with ``config`` (validated here) and return what happened; Ray is started if needed."""
-    from colossal_rl.data import load_jsonl_rows
+    from colossal_rl.data_sources import RowKeys, load_prompt_rows
 
     startup = PhaseRecorder()
     startup.add("python+flags", process_started_at(), time.time())
     started = time.perf_counter()
     with startup.record("inputs"):
         config.validate()
-        rounds = total_rounds(config, len(load_jsonl_rows(config.data.train_path)))
+        rows_in_source = len(load_prompt_rows(config.data.train_path, RowKeys.for_config(config)))
+        rounds = total_rounds(config, rows_in_source)  # an upper bound, checked before Ray starts
         resume_from = _checkpoint_to_resume(config)
         if config.run.eval_save_dir:
             prepare_eval_dir(
@@ -536,6 +543,9 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     try:
         driver = Driver(config, run_dir, metrics, startup)
         driver.start(resume_from)
+        if driver.train_rows != rows_in_source:  # over-long prompts were left out by the producers
+            rounds = total_rounds(config, driver.train_rows)
+            logger.info("%d training prompts fit -mpt: %d rounds", driver.train_rows, rounds)
         before, after = driver.run(rounds)
     finally:
         if driver is not None:

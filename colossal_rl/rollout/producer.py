@@ -15,6 +15,7 @@ import torch
 from colossal_rl.batch import RolloutBatch, pad_to
 from colossal_rl.config import RLConfig
 from colossal_rl.data import EpisodeSchedule, PromptDataset, load_prompt_dataset
+from colossal_rl.data_sources import RowKeys
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.prompts import system_prompt_for
 from colossal_rl.rollout.backend import (
@@ -62,11 +63,13 @@ class Producer:
         self.tokenizer = self.backend.tokenizer
         self.reward_scorer = reward_scorer
         system_prompt = system_prompt_for(config.reward.reward_type, config.data.system_prompt)
-        max_prompt = config.data.max_prompt_tokens
+        max_prompt, keys = config.data.max_prompt_tokens, RowKeys.for_config(config)
         with self.startup.record("datasets"):
-            self.train_data = load_prompt_dataset(config.data.train_path, self.tokenizer, system_prompt, max_prompt)
+            self.train_data = load_prompt_dataset(
+                config.data.train_path, self.tokenizer, system_prompt, max_prompt, keys
+            )
             self.eval_data = {
-                task: load_prompt_dataset(path, self.tokenizer, system_prompt, max_prompt)
+                task: load_prompt_dataset(path, self.tokenizer, system_prompt, max_prompt, keys)
                 for task, path in config.data.eval_paths
             }
         self.schedule = EpisodeSchedule(

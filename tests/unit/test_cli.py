@@ -239,6 +239,25 @@ def test_main_malformed_eval_dataset(tmp_path, caplog, capsys):
     assert message == f"{bad}:1: missing key 'messages'"
 
 
+def test_main_row_without_the_answer_the_reward_needs(tmp_path, caplog, capsys):
+    bad = tmp_path / "no_answer.jsonl"
+    bad.write_text('{"problem": "1+1=?", "solution": "2"}\n{"problem": "2+2=?"}\n')
+    argv = ["-d", str(bad), "--prompt-key", "problem", "--answer-key", "solution", "--no-wandb"]
+    message = run_main_expecting_input_error(argv, caplog, capsys)
+    assert message == f"{bad}:2: no 'solution' (--answer-key), which the reward needs to score this prompt"
+
+
+def test_other_formats_and_columns_pass_the_input_check(tmp_path):
+    import datasets
+
+    rows = [{"problem": f"{i}+1=?", "solution": str(i + 1)} for i in range(3)]
+    parquet = tmp_path / "math.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    config = config_for("-d", str(parquet), "--prompt-key", "problem", "--answer-key", "solution")
+    assert (config.data.prompt_key, config.data.answer_key) == ("problem", "solution")
+    check_inputs(config)
+
+
 @pytest.mark.parametrize("model", ["/nonexistent/model-dir", "no/such/local/model"])
 def test_main_missing_model_directory(model, caplog, capsys):
     message = run_main_expecting_input_error(["-m", model, "--no-wandb"], caplog, capsys)

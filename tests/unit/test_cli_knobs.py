@@ -50,6 +50,8 @@ FLAG_PROBES = {
     "system_prompt": (["-s", "Be brief."], "data.system_prompt"),
     "max_new_tokens": (["-mnt", "32"], "generation.max_new_tokens"),
     "max_prompt_tokens": (["-mpt", "256"], "data.max_prompt_tokens"),
+    "prompt_key": (["--prompt-key", "problem"], "data.prompt_key"),
+    "answer_key": (["--answer-key", "solution"], "data.answer_key"),
     "producer_tensor_parallel_size": (["-b", "vllm", "-ptp", "2"], "generation.tensor_parallel_size"),
     "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], "generation.vllm.gpu_memory_utilization"),
     "enforce_eager": (["--no-enforce-eager"], "generation.vllm.enforce_eager"),

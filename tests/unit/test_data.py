@@ -1,4 +1,6 @@
-"""Prompt datasets: validated jsonl loading, encoding with the embedded tokenizer, and the episode schedule."""
+"""Prompt datasets: validated jsonl loading, encoding with the embedded tokenizer, and the episode schedule.
+
+Other formats and column mapping: ``test_data_sources.py``."""
 
 import json
 
@@ -11,9 +13,9 @@ from colossal_rl.data import (
     EpisodeSchedule,
     build_messages,
     encode_prompt,
-    load_jsonl_rows,
     load_prompt_dataset,
 )
+from colossal_rl.data_sources import load_prompt_rows
 
 
 def row(content: str, answer: str = "0") -> dict:
@@ -30,28 +32,28 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(EMBEDDED_MODEL_DIR))
 
 
-# --- load_jsonl_rows ---------------------------------------------------------------------------------------
+# --- load_prompt_rows --------------------------------------------------------------------------------------
 
 
 def test_rows_are_returned_in_file_order_skipping_blank_lines(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [row("1+1=?", "2"), "", "   ", row("2+2=?", "4")])
-    assert load_jsonl_rows(path) == [row("1+1=?", "2"), row("2+2=?", "4")]
+    assert load_prompt_rows(path) == [row("1+1=?", "2"), row("2+2=?", "4")]
 
 
 def test_messages_as_a_list_are_accepted(tmp_path):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1=?"}]
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages, "gt_answer": "2"}])
-    assert load_jsonl_rows(path)[0]["messages"] == messages
+    assert load_prompt_rows(path)[0]["messages"] == messages
 
 
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match="dataset file not found: .*nope.jsonl"):
-        load_jsonl_rows(tmp_path / "nope.jsonl")
+        load_prompt_rows(tmp_path / "nope.jsonl")
 
 
-def test_a_directory_is_not_a_dataset_file(tmp_path):
-    with pytest.raises(DataError, match="dataset file not found"):
-        load_jsonl_rows(tmp_path)
+def test_a_directory_that_is_not_a_saved_dataset(tmp_path):
+    with pytest.raises(DataError, match="not a dataset saved with datasets' save_to_disk"):
+        load_prompt_rows(tmp_path)
 
 
 @pytest.mark.parametrize("text", ["", "\n\n  \n"])
@@ -59,14 +61,14 @@ def test_empty_file(tmp_path, text):
     path = tmp_path / "empty.jsonl"
     path.write_text(text)
     with pytest.raises(DataError, match="dataset file is empty"):
-        load_jsonl_rows(path)
+        load_prompt_rows(path)
 
 
 def test_invalid_json_names_path_and_line(tmp_path):
     # Line numbers count blank lines too, so they match what an editor shows.
     path = write_jsonl(tmp_path / "d.jsonl", [row("1+1=?"), "", '{"messages": '])
     with pytest.raises(DataError) as caught:
-        load_jsonl_rows(path)
+        load_prompt_rows(path)
     assert str(caught.value).startswith(f"{path}:3: invalid JSON")
 
 
@@ -75,8 +77,8 @@ def test_invalid_json_names_path_and_line(tmp_path):
     [
         ({"gt_answer": "2"}, "missing key 'messages'"),
         ('["not", "an", "object"]', "expected a JSON object, got list"),
-        ({"messages": []}, "'messages' must be a message object or a non-empty list of them"),
-        ({"messages": "1+1=?"}, "'messages' must be a message object or a non-empty list of them"),
+        ({"messages": []}, "'messages' must be a string, a message object or a non-empty list of them"),
+        ({"messages": 3}, "'messages' must be a string, a message object or a non-empty list of them"),
         ({"messages": {"role": "user"}}, "every message needs a 'role' and a string 'content'"),
         ({"messages": {"content": "1+1=?"}}, "every message needs a 'role' and a string 'content'"),
         ({"messages": [{"role": "user", "content": 3}]}, "every message needs a 'role' and a string 'content'"),
@@ -85,7 +87,7 @@ def test_invalid_json_names_path_and_line(tmp_path):
 def test_malformed_rows_name_path_and_line(tmp_path, bad_line, message):
     path = write_jsonl(tmp_path / "d.jsonl", [row("1+1=?"), bad_line])
     with pytest.raises(DataError) as caught:
-        load_jsonl_rows(path)
+        load_prompt_rows(path)
     assert str(caught.value) == f"{path}:2: {message}"
 
 
@@ -111,20 +113,27 @@ def test_system_prompt_replaces_the_rows_own(tmp_path, tokenizer):
     assert "Think." in text and "Ignore me." not in text and "1+1=?" in text
 
 
-def test_too_long_prompt_names_the_row_and_the_flag(tmp_path, tokenizer):
+def test_too_long_prompts_are_left_out_and_counted(tmp_path, tokenizer, caplog):
     short, long = row("1+1=?"), row("what is " + "1+" * 40 + "1?")
     short_length = len(encode_prompt(tokenizer, build_messages(short["messages"], None)))
     long_length = len(encode_prompt(tokenizer, build_messages(long["messages"], None)))
     assert long_length > short_length
-    path = write_jsonl(tmp_path / "d.jsonl", [short, long])
+    path = write_jsonl(tmp_path / "d.jsonl", [short, long, short])
 
-    with pytest.raises(DataError) as caught:
-        load_prompt_dataset(path, tokenizer, system_prompt=None, max_prompt_tokens=short_length)
-    assert str(caught.value) == (
-        f"{path}: row 2 has {long_length} prompt tokens, more than -mpt/--max-prompt-tokens = {short_length}"
+    dataset = load_prompt_dataset(path, tokenizer, system_prompt=None, max_prompt_tokens=short_length)
+    assert dataset.rows == [short, short] and dataset.dropped_overlong == 1
+    assert (
+        f"{path}: left out 1 of 3 prompts longer than -mpt/--max-prompt-tokens = {short_length} tokens" in caplog.text
     )
     # The limit itself is allowed.
-    assert len(load_prompt_dataset(path, tokenizer, system_prompt=None, max_prompt_tokens=long_length)) == 2
+    assert len(load_prompt_dataset(path, tokenizer, system_prompt=None, max_prompt_tokens=long_length)) == 3
+
+
+def test_no_prompt_short_enough_is_an_error_naming_the_flag(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [row("1+1=?"), row("2+2=?")])
+    with pytest.raises(DataError) as caught:
+        load_prompt_dataset(path, tokenizer, system_prompt=None, max_prompt_tokens=3)
+    assert str(caught.value) == f"{path}: all 2 prompts are longer than -mpt/--max-prompt-tokens = 3 tokens"
 
 
 # --- EpisodeSchedule ---------------------------------------------------------------------------------------

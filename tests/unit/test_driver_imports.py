@@ -24,10 +24,10 @@ import pickle, sys
 import rl_example
 config = rl_example.config_from_args(rl_example.build_parser().parse_args([]))
 rl_example.check_inputs(config)
-from colossal_rl.data import load_jsonl_rows
+from colossal_rl.data_sources import load_prompt_rows
 from colossal_rl.launch import Driver, run_training, total_rounds
 import colossal_rl.actors, colossal_rl.startup
-assert total_rounds(config, len(load_jsonl_rows(config.data.train_path))) > 0
+assert total_rounds(config, len(load_prompt_rows(config.data.train_path))) > 0
 received = pickle.loads(sys.stdin.buffer.read())
 assert received["eval"][0].task == "math" and received["metrics"]["rollout/accuracy"] >= 0
 heavy = sorted(name for name in ("torch", "transformers", "colossalai", "numpy") if name in sys.modules)
