@@ -41,6 +41,9 @@ RESUME_INVARIANT_FIELDS = (
     "model.path",
     "data.train_path",
     "data.seed",
+    "data.max_prompt_tokens",  # with the two keys below: which prompts are kept, so what each round holds
+    "data.prompt_key",
+    "data.answer_key",
     "generation.num_generations",
     "algorithm.name",
     "train.batch_size",
@@ -163,17 +166,25 @@ def load_buffer(checkpoint: Path) -> BufferSnapshot:
         raise CheckpointError(f"{path}: unreadable buffer snapshot ({error})") from None
 
 
-def _lookup(config: dict[str, Any], dotted: str) -> Any:
+def _lookup(config: dict[str, Any], dotted: str, missing: Any = None) -> Any:
     value: Any = config
     for part in dotted.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
+        if not isinstance(value, dict) or part not in value:
+            return missing
+        value = value[part]
     return value
 
 
 def resume_mismatches(saved_config: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """``field: saved -> now`` for every resume-invariant field the new config changes."""
-    return [
-        f"{name}: {_lookup(saved_config, name)!r} -> {_lookup(config, name)!r}"
-        for name in RESUME_INVARIANT_FIELDS
-        if _lookup(saved_config, name) != _lookup(config, name)
+    pairs = [
+        (name, _lookup(saved_config, name, _default(name)), _lookup(config, name)) for name in RESUME_INVARIANT_FIELDS
     ]
+    return [f"{name}: {saved!r} -> {now!r}" for name, saved, now in pairs if saved != now]
+
+
+def _default(dotted: str) -> Any:
+    """The field's default today: what a checkpoint written before the field existed ran with."""
+    from colossal_rl.config import RLConfig
+
+    return _lookup(json.loads(json.dumps(asdict(RLConfig()))), dotted)

@@ -91,6 +91,16 @@ def test_resume_mismatches_name_fields_that_decide_the_data_and_ignore_the_rest(
     assert problems == ["schedule.num_producers: 1 -> 2", "schedule.inference_batch_size: 16 -> 8"]
 
 
+def test_a_checkpoint_from_before_a_field_existed_resumes_with_its_default():
+    saved = json.loads(json.dumps(dataclasses.asdict(RLConfig())))
+    del saved["data"]["prompt_key"], saved["data"]["answer_key"]  # written before the column mapping existed
+    now = json.loads(json.dumps(dataclasses.asdict(RLConfig())))
+    assert ckpt.resume_mismatches(saved, now) == []
+    other = dataclasses.replace(RLConfig(), data=dataclasses.replace(RLConfig().data, answer_key="solution"))
+    problems = ckpt.resume_mismatches(saved, json.loads(json.dumps(dataclasses.asdict(other))))
+    assert problems == ["data.answer_key: 'gt_answer' -> 'solution'"]
+
+
 def test_eval_dir_with_files_is_refused_unless_overwrite_is_allowed(tmp_path):
     directory = prepare_eval_dir(tmp_path / "eval", overwrite=False)
     write_eval_generations(directory, 0, {"math": [{"index": 1, "correct": True}, {"index": 0, "correct": False}]})
