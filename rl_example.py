@@ -12,9 +12,11 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from colossal_rl.config import (
     EMBEDDED_EVAL_DATA,
+    LR_SCHEDULE_NAMES,
     AlgorithmConfig,
     ConfigError,
     DataConfig,
@@ -32,55 +34,96 @@ from colossal_rl.config import (
 
 logger = logging.getLogger("colossal_rl")
 
-# Config field -> the flag that sets it, so validation errors name what the user typed.
-FIELD_FLAGS = {
-    "model.path": "-m/--model",
-    "data.train_path": "-d/--dataset",
-    "data.eval_paths": "-ed/--eval-dataset",
-    "data.max_prompt_tokens": "-mpt/--max-prompt-tokens",
-    "data.prompt_key": "--prompt-key",
-    "data.answer_key": "--answer-key",
-    "generation.num_generations": "-g/--num-generations",
-    "generation.temperature": "-temp/--temperature",
-    "generation.top_k": "-topk/--top-k",
-    "generation.top_p": "-topp/--top-p",
-    "generation.max_new_tokens": "-mnt/--max-new-tokens",
-    "generation.microbatch_size": "-imbs/--inference-microbatch-size",
-    "generation.tensor_parallel_size": "-ptp/--producer-tensor-parallel-size",
-    "generation.vllm.gpu_memory_utilization": "--gpu-memory-utilization",
-    "generation.vllm.max_model_len": "--max-model-len",
-    "algorithm.kl_coeff": "-kl/--kl-coeff",
-    "train.learning_rate": "-lr/--learning-rate",
-    "train.batch_size": "-tbs/--train-batch-size",
-    "train.minibatch_size": "-tMbs/--train-minibatch-size",
-    "train.microbatch_size": "-tmbs/--train-microbatch-size",
-    "parallel.num_trainers": "-t/--num-trainers",
-    "parallel.tp_size": "-tp/--tensor-parallel-size",
-    "parallel.pp_size": "-pp/--pipeline-parallel-size",
-    "parallel.zero_stage": "-zero/--zero-stage",
-    "parallel.precision": "--precision",
-    "schedule.num_producers": "-i/--num-inferencer",
-    "schedule.inference_batch_size": "-ibs/--inference-batch-size",
-    "schedule.num_episodes": "-e/--num-episodes",
-    "schedule.n_behind": "-nb/--n-behind",
-    "schedule.max_steps": "--max-steps",
-    "run.eval_interval": "-ei/--eval-interval",
-    "run.save_interval": "-si/--save-interval",
-    "run.save_limit": "--save-limit",
-    "run.final_export": "--no-final-export",
-    "run.log_rollout_interval": "--log-rollout-interval",
-    "train.warmup_steps": "--warmup-steps",
-    "train.ppo_epochs": "--ppo-epochs",
-    "train.attn_implementation": "--attn-implementation",
-    "train.sequence_layout": "--sequence-layout",
-    "train.max_tokens_per_microbatch": "--max-tokens-per-microbatch",
-    "algorithm.old_logprobs": "--old-logprobs",
-    "run.timeout_s": "--timeout",
-    "run.master_port": "--master_port",
-    "run.producer_threads": "--producer-threads",
-    "run.trainer_threads": "--trainer-threads",
-    "run.weight_sync_backend": "--weight-sync-backend",
+# Flag destination -> the config field it sets: the one table of which flag owns which field. Flag names for
+# errors (``flag_for``) and the --config merge are derived from it and from the parser.
+FLAG_FIELDS = {
+    "model": "model.path",
+    "trust_remote_code": "model.trust_remote_code",
+    "dataset": "data.train_path",
+    "eval_dataset": "data.eval_paths",
+    "system_prompt": "data.system_prompt",
+    "max_prompt_tokens": "data.max_prompt_tokens",
+    "prompt_key": "data.prompt_key",
+    "answer_key": "data.answer_key",
+    "backend": "generation.backend",
+    "num_generations": "generation.num_generations",
+    "temperature": "generation.temperature",
+    "top_k": "generation.top_k",
+    "top_p": "generation.top_p",
+    "max_new_tokens": "generation.max_new_tokens",
+    "inference_microbatch_size": "generation.microbatch_size",
+    "producer_tensor_parallel_size": "generation.tensor_parallel_size",
+    "eval_temperature": "generation.eval_temperature",
+    "eval_samples": "generation.eval_samples",
+    "gpu_memory_utilization": "generation.vllm.gpu_memory_utilization",
+    "enforce_eager": "generation.vllm.enforce_eager",
+    "enable_chunked_prefill": "generation.vllm.enable_chunked_prefill",
+    "max_model_len": "generation.vllm.max_model_len",
+    "algo": "algorithm.name",
+    "kl_coeff": "algorithm.kl_coeff",
+    "old_logprobs": "algorithm.old_logprobs",
+    "learning_rate": "train.learning_rate",
+    "train_batch_size": "train.batch_size",
+    "train_minibatch_size": "train.minibatch_size",
+    "train_microbatch_size": "train.microbatch_size",
+    "warmup_steps": "train.warmup_steps",
+    "lr_schedule": "train.lr_schedule",
+    "min_lr_ratio": "train.min_lr_ratio",
+    "ppo_epochs": "train.ppo_epochs",
+    "grad_checkpoint": "train.gradient_checkpointing",
+    "attn_implementation": "train.attn_implementation",
+    "full_logits": "train.logits_from_hidden",
+    "sequence_layout": "train.sequence_layout",
+    "max_tokens_per_microbatch": "train.max_tokens_per_microbatch",
+    "num_trainers": "parallel.num_trainers",
+    "tensor_parallel_size": "parallel.tp_size",
+    "pipeline_parallel_size": "parallel.pp_size",
+    "zero_stage": "parallel.zero_stage",
+    "precision": "parallel.precision",
+    "num_inferencer": "schedule.num_producers",
+    "inference_batch_size": "schedule.inference_batch_size",
+    "num_episodes": "schedule.num_episodes",
+    "n_behind": "schedule.n_behind",
+    "max_steps": "schedule.max_steps",
+    "reward_type": "reward.reward_type",
+    "reward_fn": "reward.reward_fn",
+    "code_verifier_url": "reward.code_verifier_url",
+    "project": "run.project",
+    "save_dir": "run.save_dir",
+    "eval_interval": "run.eval_interval",
+    "eval_save_dir": "run.eval_save_dir",
+    "overwrite_eval_dir": "run.overwrite_eval_dir",
+    "rollout_save_dir": "run.rollout_save_dir",
+    "log_rollout_interval": "run.log_rollout_interval",
+    "enable_profiling": "run.enable_profiling",
+    "save_interval": "run.save_interval",
+    "save_limit": "run.save_limit",
+    "final_export": "run.final_export",
+    "checkpoint_path": "run.checkpoint_path",
+    "seed": "run.seed",
+    "timeout": "run.timeout_s",
+    "producer_threads": "run.producer_threads",
+    "trainer_threads": "run.trainer_threads",
+    "weight_sync_backend": "run.weight_sync_backend",
+    "ray_dir": "run.ray_dir",
+    "master_address": "run.master_address",
+    "master_port": "run.master_port",
 }
+NEGATED_FLAGS = {"full_logits"}
+"""Flags that set their field to the opposite of their value (--full-logits: logits_from_hidden False)."""
+NOT_CONFIG_FLAGS = {"help", "no_wandb", "config", "print_config"}
+"""Parser destinations that are not config fields (--no-wandb is an argument of run_training)."""
+
+
+def flag_for(field_path: str) -> str:
+    """The flag(s) that set a config field, as the user types them (``-lr/--learning-rate``), or the field."""
+    dests = {field: dest for dest, field in FLAG_FIELDS.items()}
+    if field_path not in dests:
+        return field_path
+    for action in build_parser()._actions:
+        if action.dest == dests[field_path]:
+            return "/".join(action.option_strings)
+    return field_path
 
 
 class UsageError(ValueError):
@@ -282,6 +325,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup-steps", type=int, default=defaults.train.warmup_steps, help="Linear learning-rate warm-up."
     )
     p.add_argument(
+        "--lr-schedule",
+        default=defaults.train.lr_schedule,
+        choices=list(LR_SCHEDULE_NAMES),
+        help="After warm-up: constant, or cosine decay to --min-lr-ratio x lr at the run's last step.",
+    )
+    p.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=defaults.train.min_lr_ratio,
+        help="Where the cosine schedule ends, as a fraction of -lr.",
+    )
+    p.add_argument(
+        "--eval-temperature",
+        type=float,
+        default=defaults.generation.eval_temperature,
+        help="Evaluation sampling temperature; 0: greedy.",
+    )
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=defaults.generation.eval_samples,
+        help="Responses per eval prompt (needs --eval-temperature > 0 when > 1): logs mean@k and pass@k.",
+    )
+    p.add_argument(
         "--enable_profiling",
         action="store_true",
         help="Write per-actor phase timings to <run dir>/profile.jsonl (render: python -m colossal_rl.profiling).",
@@ -302,7 +369,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="Weight-sync group: torch (gloo on CPU, ProcessGroupNCCL on GPU) or ray_nccl (Ray's cupy NCCL; GPUs).",
     )
     p.add_argument("--no-wandb", action="store_true", help="Write metrics.jsonl only.")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML file with any part of the config tree (see --print-config); flags given here override it.",
+    )
+    p.add_argument("--print-config", action="store_true", help="Print the resolved config as YAML and exit.")
+    _help_from_field_docs(p)
     return p
+
+
+def _help_from_field_docs(parser: argparse.ArgumentParser) -> None:
+    """A flag without its own help text gets its config field's docstring (``config.py`` is the source)."""
+    from colossal_rl.config_files import field_docs
+
+    docs = field_docs()
+    for action in parser._actions:
+        field = FLAG_FIELDS.get(action.dest)
+        if not action.help and field in docs:
+            action.help = docs[field].replace("%", "%%")  # argparse formats help with %
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with a --config file's values as their defaults, so flags on the command line win over the
+    file; the file's fields that no flag sets go to ``args.config_fields`` (applied by ``config_from_args``)."""
+    from colossal_rl.config_files import ConfigFileError, flatten, read_config_file
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=Path, default=None)
+    config_file = pre.parse_known_args(argv)[0].config
+    parser = build_parser()
+    rest: dict = {}
+    if config_file is not None:
+        try:
+            fields = flatten(read_config_file(config_file))
+        except ConfigFileError as error:
+            parser.error(str(error))
+        dests = {field: dest for dest, field in FLAG_FIELDS.items()}
+        defaults = {}
+        for field, value in fields.items():
+            dest = dests.get(field)
+            if dest is None:
+                rest[field] = value
+            elif dest == "eval_dataset":
+                defaults[dest] = json.dumps(value)
+            else:
+                defaults[dest] = (not value) if dest in NEGATED_FLAGS else value
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    args.config_fields = rest
+    args.config_file_fields = set(fields) if config_file is not None else set()
+    return args
 
 
 def _check_flags_against_environment(args: argparse.Namespace) -> None:
@@ -377,6 +495,7 @@ def _eval_paths(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 def config_from_args(args: argparse.Namespace) -> RLConfig:
     """Build and validate the run config; errors name the flag."""
+    from colossal_rl.config_files import ConfigFileError, apply_fields
     from colossal_rl.presets import algorithm_preset
 
     _check_flags_against_environment(args)
@@ -402,6 +521,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 backend=args.backend,
                 num_generations=args.num_generations,
                 temperature=args.temperature,
+                eval_temperature=args.eval_temperature,
+                eval_samples=args.eval_samples,
                 top_k=args.top_k,
                 top_p=args.top_p,
                 max_new_tokens=args.max_new_tokens,
@@ -422,6 +543,8 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 minibatch_size=args.train_minibatch_size,
                 microbatch_size=args.train_microbatch_size,
                 warmup_steps=args.warmup_steps,
+                lr_schedule=args.lr_schedule,
+                min_lr_ratio=args.min_lr_ratio,
                 ppo_epochs=args.ppo_epochs,
                 gradient_checkpointing=args.grad_checkpoint,
                 attn_implementation=args.attn_implementation,
@@ -469,10 +592,16 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 master_port=args.master_port,
             ),
         )
+        if getattr(args, "config_fields", None):
+            config = apply_fields(config, args.config_fields, str(args.config))
         return config.validate()
     except ConfigError as error:
-        flag = FIELD_FLAGS.get(error.field_path, error.field_path)
+        flag = flag_for(error.field_path)
+        if error.field_path in getattr(args, "config_file_fields", ()):  # set in the --config file (or by the flag)
+            flag = f"{args.config}: {error.field_path} / {flag}"
         raise UsageError(f"{flag}: {error.message}") from None
+    except ConfigFileError as error:
+        raise UsageError(str(error)) from None
 
 
 def check_inputs(config: RLConfig) -> None:
@@ -493,7 +622,7 @@ def check_inputs(config: RLConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from colossal_rl.checkpoint import CheckpointError
     from colossal_rl.data import DataError
     from colossal_rl.launch import RunFailed, run_training
@@ -502,6 +631,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = config_from_args(args)
+        if args.print_config:
+            from colossal_rl.config_files import config_to_yaml
+
+            sys.stdout.write(config_to_yaml(config))
+            return 0
         check_inputs(config)
         summary = run_training(config, use_wandb=not args.no_wandb)
     except (UsageError, DataError, RunFailed, CheckpointError, OutputDirError, PlacementError) as error:

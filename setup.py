@@ -31,6 +31,7 @@ setup(
         "numpy<2",  # vLLM 0.7.3 requires numpy<2.0.0
         "pyarrow<24",  # pyarrow >= 24 refuses to import under numpy < 2 (and Ray imports it); not in its metadata
         "datasets",
+        "pyyaml",  # --config files (already required by transformers and datasets)
         "wandb",
         "math-verify",
         "tqdm",

@@ -315,6 +315,9 @@ class TrainerActor:
             "train/staleness": float(self.trainer.step_version - batch.policy_version),
         }
 
+    def set_total_steps(self, total_steps: int) -> None:
+        self.trainer.set_total_steps(total_steps)
+
     def push_weights(self, version: int) -> None:
         with self.trainer.phases.record("sync"):
             state = self.trainer.stage_state_dict()

@@ -9,6 +9,7 @@ This module must not import torch, ray or colossalai.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -22,6 +23,9 @@ Precision = Literal["fp32", "bf16", "fp16"]
 LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardType = Literal["boxed", "think_answer_tags", "code"]
+LrSchedule = Literal["constant", "cosine"]
+LR_SCHEDULE_NAMES: tuple[str, ...] = ("constant", "cosine")
+"""The names of ``training.lr_schedule.LR_SCHEDULES`` (kept here so the config imports no torch; a test checks)."""
 Backend = Literal["transformers", "vllm"]
 OldLogprobs = Literal["recompute", "behaviour"]
 AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
@@ -113,6 +117,9 @@ class GenerationConfig:
     """Generation stops after any of these strings (kept in the response)."""
     eval_temperature: float = 0.0
     """Sampling temperature for evaluation; 0 means greedy."""
+    eval_samples: int = 1
+    """Responses per eval prompt: accuracy is their mean (mean@k) and ``pass@k`` counts a prompt solved when
+    any is correct. More than one needs ``eval_temperature > 0`` (greedy responses would all be the same)."""
     tensor_parallel_size: int = 1
     """Tensor-parallel size of each producer's engine, in GPUs of one node (vLLM only)."""
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
@@ -126,6 +133,12 @@ class GenerationConfig:
         _require(self.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
         _require(self.microbatch_size >= 1, "generation.microbatch_size", "must be >= 1")
         _require(self.eval_temperature >= 0, "generation.eval_temperature", "must be >= 0")
+        _require(self.eval_samples >= 1, "generation.eval_samples", f"must be >= 1, got {self.eval_samples}")
+        _require(
+            self.eval_samples == 1 or self.eval_temperature > 0,
+            "generation.eval_samples",
+            f"{self.eval_samples} samples per eval prompt need --eval-temperature > 0 (greedy gives one answer)",
+        )
         _require(self.tensor_parallel_size >= 1, "generation.tensor_parallel_size", "must be >= 1")
         _require(
             self.tensor_parallel_size == 1 or self.backend == "vllm",
@@ -214,7 +227,12 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
-    """Optimizer steps of linear learning-rate warm-up from lr/warmup_steps to lr; constant afterwards."""
+    """Optimizer steps of linear learning-rate warm-up from lr/warmup_steps to lr."""
+    lr_schedule: LrSchedule = "constant"
+    """After warm-up: ``constant``, or ``cosine`` decay to ``min_lr_ratio`` x lr at the run's last step
+    (``training/lr_schedule.py``)."""
+    min_lr_ratio: float = 0.0
+    """Where the cosine schedule ends, as a fraction of the learning rate."""
     ppo_epochs: int = 1
     """Passes over each round's samples (verl's ppo_epochs); passes after the first re-shuffle the round's
     groups into steps with a generator seeded by (run seed, round, epoch), so resumes stay exact."""
@@ -241,7 +259,19 @@ class TrainConfig:
     ``microbatch_size`` when set. None: ``microbatch_size`` samples per micro-batch."""
 
     def validate(self) -> None:
+        _require(
+            math.isfinite(self.learning_rate) and self.learning_rate > 0,
+            "train.learning_rate",
+            f"must be a finite number > 0, got {self.learning_rate}",
+        )
+        _require(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _require(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
+        _require(
+            self.lr_schedule in LR_SCHEDULE_NAMES,
+            "train.lr_schedule",
+            f"must be one of {', '.join(LR_SCHEDULE_NAMES)}, got {self.lr_schedule!r}",
+        )
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _require(
             self.sequence_layout in ("auto", "padded", "packed", "shared_prompt"),
             "train.sequence_layout",

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from colossal_rl import checkpoint as ckpt
 from colossal_rl.comm.sync_stages import stage_senders
 from colossal_rl.config import RLConfig
+from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.metrics import MetricsLogger
 from colossal_rl.placement import check_transport_for_cluster
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
@@ -273,22 +274,31 @@ class Driver:
             self.next_eval_step = self.config.run.eval_interval
 
     def _log_eval(self, results) -> dict[str, float]:
+        """Log every task's accuracy (mean@k) over all producers' shares, and pass@k with several samples."""
         correct: dict[str, float] = {}
+        passed: dict[str, float] = {}
         counts: dict[str, int] = {}
         records: dict[str, list[dict]] = {}
+        k = self.config.generation.eval_samples
         for per_producer in results:
             for result in per_producer:
                 correct[result.task] = correct.get(result.task, 0.0) + result.accuracy * result.num_prompts
+                passed[result.task] = passed.get(result.task, 0.0) + (result.pass_at_k or 0.0) * result.num_prompts
                 counts[result.task] = counts.get(result.task, 0) + result.num_prompts
                 records.setdefault(result.task, []).extend(result.records)
         accuracy = {task: correct[task] / max(counts[task], 1) for task in correct}
-        self.metrics.log("eval", self.step, {f"eval/{task}_accuracy": acc for task, acc in accuracy.items()})
+        logged = {f"eval/{task}_accuracy": acc for task, acc in accuracy.items()}
+        if k > 1:
+            logged |= {f"eval/{task}_pass@{k}": passed[task] / max(counts[task], 1) for task in passed}
+        self.metrics.log("eval", self.step, logged)
         write_eval_generations(self.eval_dir, self.step, records)
-        logger.info("eval at step %d: %s", self.step, {k: round(v, 4) for k, v in accuracy.items()})
+        logger.info("eval at step %d: %s", self.step, {key: round(value, 4) for key, value in logged.items()})
         return accuracy
 
     # ------------------------------------------------------------------ the round loop
     def run(self, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+        total_steps = rounds * self.config.optimizer_steps_per_round
+        _gather(self.named("set_total_steps", "trainer", total_steps), self.timeout)  # the LR schedule's end
         n_behind = self.config.schedule.n_behind
         for r in range(self.next_round, min(self.next_round + n_behind + 1, rounds)):
             if r not in self.pending_produce:  # restored rounds are already in the buffer
@@ -531,6 +541,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
                 Path(config.run.eval_save_dir), overwrite=config.run.overwrite_eval_dir or resume_from is not None
             )
         run_dir = make_run_dir(config)
+        (run_dir / CONFIG_FILE).write_text(config_to_yaml(config), encoding="utf-8")  # --config takes it back
     with startup.record("metrics"):
         metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
     logger.info(

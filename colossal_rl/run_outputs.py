@@ -53,7 +53,7 @@ def write_eval_generations(directory: Path, step: int, records_by_task: dict[str
     """One file per task with every producer's records in dataset order."""
     written = []
     for task, records in records_by_task.items():
-        ordered = sorted(records, key=lambda record: record.get("index", 0))
+        ordered = sorted(records, key=lambda record: (record.get("index", 0), record.get("sample", 0)))
         written.append(write_jsonl(Path(directory) / f"{task}_step_{step}.jsonl", ordered))
     return written
 

@@ -26,7 +26,7 @@ from colossal_rl.rollout.backend import (
     eval_sampling,
     train_sampling,
 )
-from colossal_rl.rollout.eval_result import EvalResult
+from colossal_rl.rollout.eval_result import EvalResult, mean_and_pass_at_k
 from colossal_rl.rollout.postprocess import postprocess_rollout
 
 logger = logging.getLogger(__name__)
@@ -186,22 +186,32 @@ class Producer:
         return results
 
     def _evaluate_task(self, task: str, dataset: PromptDataset, indices: list[int]) -> EvalResult:
+        k = self.config.generation.eval_samples
         if not indices:
-            return EvalResult(task=task, accuracy=0.0, num_prompts=0, records=[])
+            return EvalResult(task=task, accuracy=0.0, num_prompts=0, records=[], samples_per_prompt=k)
         torch.manual_seed(self.config.run.seed + 7 * self.rank)
-        output = self._generate([dataset.prompt_ids[i] for i in indices], 1, self._eval_sampling())
-        rows = [dataset.rows[i] for i in indices]
+        output = self._generate([dataset.prompt_ids[i] for i in indices], k, self._eval_sampling())
+        rows = [dataset.rows[i] for i in indices for _ in range(k)]  # group-major, like the responses
         scored = self.reward_scorer.score_batch(output.responses, rows)
         records = [
             {
-                "index": i,
+                "index": indices[n // k],
+                "sample": n % k,
                 "response": text,
                 "gt_answer": row.get("gt_answer"),
                 "reward": rec.reward,
                 "correct": rec.answer_ok,
                 "status": rec.status,
             }
-            for i, text, row, rec in zip(indices, output.responses, rows, scored, strict=True)
+            for n, (text, row, rec) in enumerate(zip(output.responses, rows, scored, strict=True))
         ]
-        accuracy = sum(r["correct"] for r in records) / len(records)
-        return EvalResult(task=task, accuracy=accuracy, num_prompts=len(records), records=records)
+        per_prompt = [[bool(r["correct"]) for r in records[i * k : (i + 1) * k]] for i in range(len(indices))]
+        mean_at_k, pass_at_k = mean_and_pass_at_k(per_prompt)
+        return EvalResult(
+            task=task,
+            accuracy=mean_at_k,
+            num_prompts=len(indices),
+            records=records,
+            pass_at_k=pass_at_k if k > 1 else None,
+            samples_per_prompt=k,
+        )

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
+from colossal_rl.training.lr_schedule import ScheduleHorizon, make_lr_scheduler
 from colossal_rl.training.micro_batch_forward import MicroBatchForward
 from colossal_rl.training.policy_forward import model_inputs
 from colossal_rl.training.round_plan import epoch_steps
@@ -43,12 +44,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-__all__ = ["Trainer", "training_device", "warmup_then_constant"]
-
-
-def warmup_then_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps`` optimizer steps, then the configured learning rate."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+__all__ = ["Trainer", "training_device"]
 
 
 def training_device() -> torch.device:
@@ -109,6 +105,8 @@ class Trainer:
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
         self.startup = PhaseRecorder()
         """Start-up phases (always recorded; see ``colossal_rl.startup``)."""
+        self.schedule_horizon = ScheduleHorizon()
+        """The run's total optimizer steps, for the learning-rate schedule (:meth:`set_total_steps`)."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -150,7 +148,13 @@ class Trainer:
                 trust_remote_code=self.config.model.trust_remote_code,
             )
         optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
-        lr_scheduler = warmup_then_constant(optimizer, train.warmup_steps)
+        lr_scheduler = make_lr_scheduler(
+            optimizer,
+            train.lr_schedule,
+            warmup_steps=train.warmup_steps,
+            min_lr_ratio=train.min_lr_ratio,
+            horizon=self.schedule_horizon,
+        )
         with self.startup.record("boost"):
             self.model, self.optimizer, _, _, self.lr_scheduler = self.booster.boost(
                 model, optimizer, lr_scheduler=lr_scheduler
@@ -334,6 +338,7 @@ class Trainer:
                     new_logprobs.append(self._forward_backward(chunk, ref_logprobs, context))
         if self.pp_group is not None:
             totals = self._from_last_stage(totals)
+        learning_rate = self.lr_scheduler.get_last_lr()[0]  # what this step applies
         with self.phases.record("optimizer_step"):
             grad_norm = self._optimizer_step()
         self.step += 1
@@ -344,7 +349,13 @@ class Trainer:
         totals["train/computed_per_real_token"] = totals["train/computed_tokens"] / max(
             totals["train/real_tokens"], 1.0
         )
-        totals.update({"train/grad_norm": grad_norm, "time/train_step_s": time.perf_counter() - started})
+        totals.update(
+            {
+                "train/grad_norm": grad_norm,
+                "train/lr": learning_rate,
+                "time/train_step_s": time.perf_counter() - started,
+            }
+        )
         captured = None if any(part is None for part in new_logprobs) else torch.cat([p.cpu() for p in new_logprobs])
         return totals, captured
 
@@ -479,6 +490,10 @@ class Trainer:
         totals["train/entropy"] = totals.get("train/entropy", 0.0) + float((entropy * trained_tokens).sum()) / counts[0]
         _add_metrics(totals, metrics, weight=micro.num_samples / step_samples)
         return loss
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """The run's optimizer steps in all (the driver's count): where a decaying learning rate ends."""
+        self.schedule_horizon.total_steps = total_steps
 
     def _optimizer_step(self) -> float:
         from colossal_rl.training.plugins import clip_and_step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import subprocess
@@ -16,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
+from colossal_rl.config_files import load_config_file
 from colossal_rl.metrics import MetricsLogger, read_metrics
 from colossal_rl.startup import phase_seconds_from_json, read_startup
 
@@ -29,8 +31,16 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 def small_config(tmp_path: Path) -> RLConfig:
     return RLConfig(
-        generation=GenerationConfig(num_generations=4, microbatch_size=8),
-        train=TrainConfig(batch_size=4, minibatch_size=4, microbatch_size=16, learning_rate=2e-4),
+        generation=GenerationConfig(num_generations=4, microbatch_size=8, eval_temperature=1.0, eval_samples=2),
+        train=TrainConfig(
+            batch_size=4,
+            minibatch_size=4,
+            microbatch_size=16,
+            learning_rate=2e-4,
+            warmup_steps=2,
+            lr_schedule="cosine",
+            min_lr_ratio=0.1,
+        ),
         parallel=ParallelConfig(num_trainers=2),
         schedule=ScheduleConfig(num_producers=2, inference_batch_size=8, n_behind=1, max_steps=4),
         run=RunConfig(save_dir=str(tmp_path), eval_interval=0, timeout_s=120),
@@ -81,6 +91,15 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     records = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
+    # Warm-up over 2 steps, then cosine from lr to 0.1 lr at the run's last step (the driver's 2 rounds x 2).
+    assert [r["train/lr"] for r in train] == pytest.approx([1e-4, 2e-4, 2e-4, 2e-5])
+    # Two sampled responses per eval prompt: accuracy is their mean, pass@2 the prompts with one correct.
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4]
+    assert all(0 <= r["eval/math_accuracy"] <= r["eval/math_pass@2"] <= 1 for r in evals)
+    generations = [json.loads(line) for line in (run_dir / "eval" / "math_step_0.jsonl").read_text().splitlines()]
+    assert [g["sample"] for g in generations[:4]] == [0, 1, 0, 1]
+    assert len({g["index"] for g in generations}) * 2 == len(generations)
     assert all(math.isfinite(r["train/loss"]) for r in train)
     assert all(0.0 <= r["train/reward"] <= 1.0 for r in train)
     # The producers report group token costs and the buffer deals by them: the two ranks' tokens stay close.
@@ -143,6 +162,8 @@ def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
     (run_dir,) = list(tmp_path.iterdir())
     assert f"trained model {run_dir / 'final'}" in output
     _assert_startup_breakdown(run_dir, output, num_producers=2, num_trainers=2)
+    kept = load_config_file(run_dir / "config.yaml")  # the run's resolved config, reusable with --config
+    assert (kept.parallel.num_trainers, kept.train.batch_size, kept.schedule.max_steps) == (2, 4, 6)
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 4, 6]

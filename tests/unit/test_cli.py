@@ -239,6 +239,22 @@ def test_main_malformed_eval_dataset(tmp_path, caplog, capsys):
     assert message == f"{bad}:1: missing key 'messages'"
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["-lr", "0"], "-lr/--learning-rate: must be a finite number > 0, got 0.0"),
+        (["-lr", "-1"], "-lr/--learning-rate: must be a finite number > 0, got -1.0"),
+        (["-lr", "nan"], "-lr/--learning-rate: must be a finite number > 0, got nan"),
+        (["--warmup-steps", "-5"], "--warmup-steps: must be >= 0, got -5"),
+        (["--min-lr-ratio", "2"], "--min-lr-ratio: must be in [0, 1], got 2.0"),
+        (["--eval-samples", "0"], "--eval-samples: must be >= 1, got 0"),
+        (["--eval-samples", "4"], "--eval-samples: 4 samples per eval prompt need --eval-temperature > 0"),
+    ],
+)
+def test_bad_training_and_eval_numbers_name_their_flag(argv, expected):
+    assert usage_error(*argv).startswith(expected)
+
+
 def test_main_row_without_the_answer_the_reward_needs(tmp_path, caplog, capsys):
     bad = tmp_path / "no_answer.jsonl"
     bad.write_text('{"problem": "1+1=?", "solution": "2"}\n{"problem": "2+2=?"}\n')

@@ -17,7 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
 
 import rl_example  # noqa: E402
-from rl_example import UsageError, build_parser, config_from_args  # noqa: E402
+from rl_example import FLAG_FIELDS, NOT_CONFIG_FLAGS, UsageError, build_parser, config_from_args  # noqa: E402
 
 # flag destination -> (arguments setting a non-default value, the config field it must change)
 FLAG_PROBES = {
@@ -81,6 +81,10 @@ FLAG_PROBES = {
     "rollout_save_dir": (["-rsd", "rollouts"], "run.rollout_save_dir"),
     "log_rollout_interval": (["--log-rollout-interval", "5"], "run.log_rollout_interval"),
     "warmup_steps": (["--warmup-steps", "3"], "train.warmup_steps"),
+    "lr_schedule": (["--lr-schedule", "cosine"], "train.lr_schedule"),
+    "min_lr_ratio": (["--min-lr-ratio", "0.1"], "train.min_lr_ratio"),
+    "eval_temperature": (["--eval-temperature", "0.7"], "generation.eval_temperature"),
+    "eval_samples": (["--eval-temperature", "0.7", "--eval-samples", "4"], "generation.eval_samples"),
     "enable_profiling": (["--enable_profiling"], "run.enable_profiling"),
     "max_steps": (["--max-steps", "7"], "schedule.max_steps"),
     "seed": (["--seed", "3"], "run.seed"),
@@ -89,8 +93,15 @@ FLAG_PROBES = {
     "trainer_threads": (["--trainer-threads", "1"], "run.trainer_threads"),
     "weight_sync_backend": (["--weight-sync-backend", "ray_nccl"], "run.weight_sync_backend"),
 }
-# Flags that act outside the config: --no-wandb is an argument of run_training (main passes it).
-NOT_CONFIG_FLAGS = {"help", "no_wandb"}
+# Fields with no flag of their own, set through --config (or derived: data.seed from --seed, stop strings from the
+# reward type, the algorithm's fields from its preset -a).
+CONFIG_FILE_ONLY = {
+    "data.seed",
+    "generation.stop_strings",
+    "train.max_norm",
+    "train.weight_decay",
+}
+CONFIG_FILE_ONLY_SECTIONS = ("algorithm.",)
 
 
 def config_for(*argv: str):
@@ -104,6 +115,23 @@ def field(config, path: str):
 def test_every_flag_has_a_probe():
     destinations = {action.dest for action in build_parser()._actions}
     assert destinations - NOT_CONFIG_FLAGS == set(FLAG_PROBES)
+
+
+def test_the_flag_table_is_the_one_the_probes_check():
+    assert FLAG_FIELDS == {dest: path for dest, (_, path) in FLAG_PROBES.items()}
+
+
+def test_every_settable_field_has_exactly_one_flag_or_is_a_config_file_field_and_every_flag_has_help():
+    from colossal_rl.config_files import field_docs
+
+    fields = set(field_docs())
+    flagged = list(FLAG_FIELDS.values())
+    assert len(flagged) == len(set(flagged)), "a field with two flags"
+    assert set(flagged) <= fields
+    without_flag = {f for f in fields - set(flagged) if not f.startswith(CONFIG_FILE_ONLY_SECTIONS)}
+    assert without_flag == CONFIG_FILE_ONLY
+    for action in build_parser()._actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
 
 
 @pytest.mark.parametrize("dest", sorted(FLAG_PROBES))

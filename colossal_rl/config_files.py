@@ -1,0 +1,185 @@
+"""The run config as YAML: read any subset of the config tree, write the whole resolved config.
+
+    model:
+      path: Qwen/Qwen2.5-0.5B
+    train:
+      learning_rate: 1.0e-6
+      lr_schedule: cosine
+    data:
+      eval_paths: {gsm8k: gsm8k_test.jsonl}
+
+``python rl_example.py --config run.yaml [flags]``: the file's values replace the defaults and flags given on
+the command line replace the file's (``rl_example.py`` does that merge). ``--print-config`` prints the
+resolved config in this format, and every run directory keeps it as ``config.yaml``. Errors name the file
+and the field (``run.yaml: train.learnign_rate: no such field (train has: ...)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from colossal_rl.config import ConfigError, RLConfig
+
+CONFIG_FILE = "config.yaml"
+
+
+class ConfigFileError(ValueError):
+    """A config file is unreadable or names a field that does not exist or has the wrong type."""
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dicts (tuples as lists, ``eval_paths`` as a task -> source map) for YAML."""
+    data = dataclasses.asdict(config)
+    data["data"]["eval_paths"] = dict(config.data.eval_paths)
+    return _plain(data)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
+
+
+def config_to_yaml(config: RLConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The nested mapping of a YAML config file; errors name the file (and line for YAML syntax)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigFileError(f"--config: no such file: {path}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigFileError(f"{where}: invalid YAML ({getattr(error, 'problem', None) or error})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{path}: a config file is a mapping of sections (model:, train:, ...)")
+    return data
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"learning_rate": 1e-6}}`` -> ``{"train.learning_rate": 1e-6}`` (leaves only)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and not path.endswith("data.eval_paths"):
+            flat |= flatten(value, f"{path}.")
+        else:
+            flat[path] = value
+    return flat
+
+
+def apply_fields(config: RLConfig, fields: dict[str, Any], source: str) -> RLConfig:
+    """``config`` with every ``dotted.path: value`` of ``fields`` set (checked against the field's type)."""
+    for path, value in fields.items():
+        config = _replace_path(config, path.split("."), value, path, source)
+    return config
+
+
+def _replace_path(node: Any, parts: list[str], value: Any, path: str, source: str) -> Any:
+    field_map = {f.name: f for f in dataclasses.fields(node)}
+    name = parts[0]
+    done = path.split(".")[: len(path.split(".")) - len(parts)]
+    where = ".".join([*done, name])
+    if name not in field_map:
+        section = ".".join(done) or "the config"
+        raise ConfigFileError(f"{source}: {where}: no such field ({section} has: {', '.join(field_map)})")
+    current = getattr(node, name)
+    if len(parts) > 1:
+        if not dataclasses.is_dataclass(current):
+            raise ConfigFileError(f"{source}: {where}: not a section, so {path} does not exist")
+        return dataclasses.replace(node, **{name: _replace_path(current, parts[1:], value, path, source)})
+    hints = typing.get_type_hints(type(node))
+    return dataclasses.replace(node, **{name: _coerce(value, hints[name], path, source)})
+
+
+def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
+    """``value`` as the field's type: ints for floats, lists for tuples, the eval-paths map; else an error."""
+    if path == "data.eval_paths":
+        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return tuple(value.items())
+        raise ConfigFileError(f"{source}: {path}: expected a map of task name to dataset source")
+    if dataclasses.is_dataclass(annotation):
+        raise ConfigFileError(f"{source}: {path}: is a section; give its fields")
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, path, source)
+            except ConfigFileError as error:
+                errors.append(str(error))
+        raise ConfigFileError(errors[0] if errors else f"{source}: {path}: unsupported value {value!r}")
+    if origin is typing.Literal:
+        if value in args:
+            return value
+        raise ConfigFileError(f"{source}: {path}: must be one of {', '.join(map(str, args))}, got {value!r}")
+    if origin is tuple:
+        if isinstance(value, list | tuple):
+            return tuple(value)
+        raise ConfigFileError(f"{source}: {path}: expected a list, got {value!r}")
+    if annotation is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if annotation in (int, str, bool) and type(value) is annotation:
+        return value
+    raise ConfigFileError(f"{source}: {path}: expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
+
+
+def field_docs() -> dict[str, str]:
+    """``"train.learning_rate"`` -> that field's docstring in ``config.py``, on one line (the flags' help)."""
+    import ast
+    import inspect
+
+    from colossal_rl import config as config_module
+
+    classes = {
+        node.name: node for node in ast.parse(inspect.getsource(config_module)).body if isinstance(node, ast.ClassDef)
+    }
+
+    def docs_of(cls: type, prefix: str) -> dict[str, str]:
+        found: dict[str, str] = {}
+        body = classes[cls.__name__].body
+        for statement, following in zip(body, [*body[1:], None], strict=True):
+            if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+                continue
+            name = statement.target.id
+            value = getattr(cls, "__dataclass_fields__", {}).get(name)
+            hints = typing.get_type_hints(cls)
+            if value is not None and dataclasses.is_dataclass(hints.get(name)):
+                found |= docs_of(hints[name], f"{prefix}{name}.")
+            elif isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant):
+                found[f"{prefix}{name}"] = " ".join(str(following.value.value).replace("``", "").split())
+        return found
+
+    return docs_of(RLConfig, "")
+
+
+def load_config_file(path: str | Path, base: RLConfig | None = None) -> RLConfig:
+    """``base`` (default: the defaults) with every field the file sets; validated."""
+    config = apply_fields(base or RLConfig(), flatten(read_config_file(path)), str(path))
+    try:
+        return config.validate()
+    except ConfigError as error:
+        raise ConfigFileError(f"{path}: {error.field_path}: {error.message}") from None
