@@ -88,6 +88,7 @@ FLAG_FIELDS = {
     "reward_type": "reward.reward_type",
     "reward_fn": "reward.reward_fn",
     "code_verifier_url": "reward.code_verifier_url",
+    "max_infra_error_fraction": "reward.max_infra_error_fraction",
     "project": "run.project",
     "save_dir": "run.save_dir",
     "eval_interval": "run.eval_interval",
@@ -368,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.run.weight_sync_backend,
         help="Weight-sync group: torch (gloo on CPU, ProcessGroupNCCL on GPU) or ray_nccl (Ray's cupy NCCL; GPUs).",
     )
+    p.add_argument("--max-infra-error-fraction", type=float, default=defaults.reward.max_infra_error_fraction)
     p.add_argument("--no-wandb", action="store_true", help="Write metrics.jsonl only.")
     p.add_argument(
         "--config",
@@ -567,7 +569,10 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
                 max_steps=args.max_steps,
             ),
             reward=RewardConfig(
-                reward_type=args.reward_type, code_verifier_url=args.code_verifier_url, reward_fn=args.reward_fn
+                reward_type=args.reward_type,
+                code_verifier_url=args.code_verifier_url,
+                reward_fn=args.reward_fn,
+                max_infra_error_fraction=args.max_infra_error_fraction,
             ),
             run=RunConfig(
                 project=args.project,
@@ -605,19 +610,56 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
 
 
 def check_inputs(config: RLConfig) -> None:
-    """Fail before starting Ray: datasets parse and the model directory exists (hub names are resolved later)."""
-    from pathlib import Path
-
+    """Fail before starting Ray: datasets parse (with what the reward needs), the model is a local directory or
+    a hub name that is cached or reachable, and a --reward-fn plug-in loads and scores one row."""
     from colossal_rl.data_sources import RowKeys, load_prompt_rows
 
     keys = RowKeys.for_config(config)
-    load_prompt_rows(config.data.train_path, keys)
+    train_rows = load_prompt_rows(config.data.train_path, keys)
     for _, path in config.data.eval_paths:
         load_prompt_rows(path, keys)
-    model = config.model.path
+    _check_model(config.model.path)
+    if config.reward.reward_fn is not None:
+        _check_reward_plugin(config.reward.reward_fn, train_rows[0], config.data.train_path)
+
+
+def _check_model(model: str) -> None:
+    """A local directory with a config.json, or a hub name in the local cache or on a reachable hub."""
     looks_local = model.startswith((".", "/", "~")) or Path(model).exists() or model.count("/") != 1
-    if looks_local and not (Path(model).expanduser() / "config.json").is_file():
-        raise UsageError(f"-m/--model: no model directory with a config.json at {model!r}")
+    if looks_local:
+        if not (Path(model).expanduser() / "config.json").is_file():
+            raise UsageError(f"-m/--model: no model directory with a config.json at {model!r}")
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    from colossal_rl.data_sources import hub_reachable
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return  # cached: loads offline
+    if not hub_reachable():
+        raise UsageError(
+            f"-m/--model: {model!r} is not a local directory, not in the Hugging Face cache, and the hub is not "
+            "reachable (download it where there is network, or give a local path)"
+        )
+
+
+def _check_reward_plugin(spec: str, row: dict, source: str) -> None:
+    """The plug-in loads, has the right signature, and scores one training row (an empty response) without
+    raising: the user's own code, checked here so a mistake costs seconds instead of a run of infra errors."""
+    from colossal_rl.reward.plugins import RewardConfigError, load_reward_fn
+    from colossal_rl.reward.records import record_from_plugin_value
+
+    try:
+        function = load_reward_fn(spec)
+    except RewardConfigError as error:
+        raise UsageError(f"--reward-fn: {error}") from None
+    try:
+        record_from_plugin_value(function("", row))
+    except Exception as error:  # whatever the user's code raises, named in one line
+        raise UsageError(
+            f"--reward-fn {spec!r}: scoring an empty response to the first row of {source} raised "
+            f"{type(error).__name__}: {error}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -359,6 +359,16 @@ class RewardConfig:
     """HTTP verifier for code rewards; None runs the local sandbox."""
     reward_fn: str | None = None
     """User plug-in ``path/to/file.py:function`` or ``module:function``; overrides reward_type's scorer."""
+    max_infra_error_fraction: float = 0.5
+    """Stop the run when more than this fraction of a producer's rewards so far (from 64 on) failed for
+    infrastructure reasons (verifier down, plug-in raising): its results would mean nothing."""
+
+    def validate(self) -> None:
+        _require(
+            0.0 <= self.max_infra_error_fraction <= 1.0,
+            "reward.max_infra_error_fraction",
+            f"must be in [0, 1], got {self.max_infra_error_fraction}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -466,6 +476,7 @@ class RLConfig:
         self.train.validate()
         self.parallel.validate()
         self.run.validate()
+        self.reward.validate()
         self._validate_batch_arithmetic()
         return self
 

@@ -162,10 +162,12 @@ class Producer:
         records = self.reward_scorer.score_batch(responses, rows)
         self._scored += len(records)
         self._infra_errors += sum(r.status == "infra_error" for r in records)
-        if self._scored >= 64 and self._infra_errors / self._scored > 0.5:
+        limit = self.config.reward.max_infra_error_fraction
+        if self._scored >= 64 and self._infra_errors / self._scored > limit:
             raise InfraErrorRateExceeded(
-                f"producer {self.rank}: {self._infra_errors} of {self._scored} rewards failed with infra_error "
-                f"(verifier or sandbox broken?); see the reward records' details"
+                f"producer {self.rank}: {self._infra_errors} of {self._scored} rewards failed with infra_error, more "
+                f"than --max-infra-error-fraction {limit} (verifier, sandbox or --reward-fn broken?); see the "
+                "reward records' details"
             )
         return records
 

@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -289,9 +290,49 @@ def test_main_dataset_smaller_than_one_round(tmp_path, caplog, capsys):
     assert "3 prompts" in message and "-ibs 16" in message
 
 
-def test_check_inputs_accepts_a_hub_name_without_touching_the_network():
-    config = config_for("-m", "Qwen/Qwen2.5-0.5B")
-    check_inputs(config)  # hub names are resolved later, by the actors
+def test_check_inputs_accepts_a_cached_hub_name_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--Qwen--Qwen2.5-0.5B" / "refs").mkdir()
+    (tmp_path / "models--Qwen--Qwen2.5-0.5B" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # unreachable: only the cache can answer
+    check_inputs(config_for("-m", "Qwen/Qwen2.5-0.5B"))
+
+
+def test_a_hub_model_neither_cached_nor_reachable_is_named_at_once(tmp_path, monkeypatch, caplog, capsys):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    started = time.monotonic()
+    message = run_main_expecting_input_error(["-m", "no-org/no-model", "--no-wandb"], caplog, capsys)
+    assert time.monotonic() - started < 5
+    assert message.startswith("-m/--model: 'no-org/no-model' is not a local directory, not in the Hugging Face cache")
+
+
+@pytest.mark.parametrize(
+    ("plugin", "expected"),
+    [
+        ("missing.py:score", "--reward-fn: reward_fn '{spec}': file {dir}/missing.py does not exist"),
+        ("plugin.py:nope", "--reward-fn: reward_fn '{spec}': {dir}/plugin.py has no attribute 'nope'"),
+        ("plugin.py:one_argument", "must accept two positional arguments (response, row)"),
+        ("plugin.py:raises", "scoring an empty response to the first row of"),
+        ("plugin.py:returns_text", "raised TypeError: reward function returned str"),
+    ],
+)
+def test_reward_plugin_mistakes_stop_before_ray_naming_the_flag(tmp_path, plugin, expected, caplog, capsys):
+    (tmp_path / "plugin.py").write_text(
+        "def one_argument(response):\n    return 1.0\n"
+        "def raises(response, row):\n    return row['missing_key']\n"
+        "def returns_text(response, row):\n    return 'yes'\n"
+    )
+    spec = f"{tmp_path}/{plugin}"
+    message = run_main_expecting_input_error(["--reward-fn", spec, "--no-wandb"], caplog, capsys)
+    assert expected.format(spec=spec, dir=tmp_path) in message
 
 
 def test_check_inputs_passes_on_the_embedded_defaults():
