@@ -74,6 +74,11 @@ class DataConfig:
     seed: int = 42
     """Seed of the per-episode shuffle of the training prompts."""
 
+    def validate(self) -> None:
+        _require(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens}")
+        _require(bool(self.prompt_key), "data.prompt_key", "must name a dataset column")
+        _require(bool(self.answer_key), "data.answer_key", "must name a dataset column")
+
 
 @dataclass(frozen=True, kw_only=True)
 class VllmEngineConfig:
@@ -477,6 +482,7 @@ class RLConfig:
         self.parallel.validate()
         self.run.validate()
         self.reward.validate()
+        self.data.validate()
         self._validate_batch_arithmetic()
         return self
 
