@@ -84,11 +84,25 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def apply_fields(config: RLConfig, fields: dict[str, Any], source: str) -> RLConfig:
-    """``config`` with every ``dotted.path: value`` of ``fields`` set (checked against the field's type)."""
+def apply_fields(config: RLConfig, fields: dict[str, Any], source: str | None = None) -> RLConfig:
+    """``config`` with every ``dotted.path: value`` of ``fields`` set (checked against the field's type).
+
+    A bad field raises :class:`ConfigFileError` naming ``source`` (a file), or without a source the
+    config's own :class:`ConfigError` for the field (which the command line maps to its flag)."""
     for path, value in fields.items():
-        config = _replace_path(config, path.split("."), value, path, source)
+        try:
+            config = _replace_path(config, path.split("."), value, path, "")
+        except _FieldError as error:
+            if source is None:
+                raise ConfigError(error.where, error.message) from None
+            raise ConfigFileError(f"{source}: {error.where}: {error.message}") from None
     return config
+
+
+class _FieldError(Exception):
+    def __init__(self, where: str, message: str):
+        super().__init__(f"{where}: {message}")
+        self.where, self.message = where, message
 
 
 def _replace_path(node: Any, parts: list[str], value: Any, path: str, source: str) -> Any:
@@ -98,11 +112,11 @@ def _replace_path(node: Any, parts: list[str], value: Any, path: str, source: st
     where = ".".join([*done, name])
     if name not in field_map:
         section = ".".join(done) or "the config"
-        raise ConfigFileError(f"{source}: {where}: no such field ({section} has: {', '.join(field_map)})")
+        raise _FieldError(where, f"no such field ({section} has: {', '.join(field_map)})")
     current = getattr(node, name)
     if len(parts) > 1:
         if not dataclasses.is_dataclass(current):
-            raise ConfigFileError(f"{source}: {where}: not a section, so {path} does not exist")
+            raise _FieldError(where, f"not a section, so {path} does not exist")
         return dataclasses.replace(node, **{name: _replace_path(current, parts[1:], value, path, source)})
     hints = typing.get_type_hints(type(node))
     return dataclasses.replace(node, **{name: _coerce(value, hints[name], path, source)})
@@ -113,28 +127,28 @@ def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
     if path == "data.eval_paths":
         if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             return tuple(value.items())
-        raise ConfigFileError(f"{source}: {path}: expected a map of task name to dataset source")
+        raise _FieldError(path, "expected a map of task name to dataset source")
     if dataclasses.is_dataclass(annotation):
-        raise ConfigFileError(f"{source}: {path}: is a section; give its fields")
+        raise _FieldError(path, "is a section; give its fields")
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors: list[_FieldError] = []
         for option in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, option, path, source)
-            except ConfigFileError as error:
-                errors.append(str(error))
-        raise ConfigFileError(errors[0] if errors else f"{source}: {path}: unsupported value {value!r}")
+            except _FieldError as error:
+                errors.append(error)
+        raise errors[0] if errors else _FieldError(path, f"unsupported value {value!r}")
     if origin is typing.Literal:
         if value in args:
             return value
-        raise ConfigFileError(f"{source}: {path}: must be one of {', '.join(map(str, args))}, got {value!r}")
+        raise _FieldError(path, f"must be one of {', '.join(map(str, args))}, got {value!r}")
     if origin is tuple:
         if isinstance(value, list | tuple):
             return tuple(value)
-        raise ConfigFileError(f"{source}: {path}: expected a list, got {value!r}")
+        raise _FieldError(path, f"expected a list, got {value!r}")
     if annotation is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if annotation is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
@@ -144,7 +158,7 @@ def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
             pass
     if annotation in (int, str, bool) and type(value) is annotation:
         return value
-    raise ConfigFileError(f"{source}: {path}: expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
+    raise _FieldError(path, f"expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
 
 
 def field_docs() -> dict[str, str]:

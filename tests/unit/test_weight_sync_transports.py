@@ -106,7 +106,7 @@ def test_cli_flag_reaches_the_config_and_its_errors_name_the_flag(capsys):
     assert config_from_args(build_parser().parse_args([])).run.weight_sync_backend == "torch"
     args = build_parser().parse_args(["--weight-sync-backend", "torch"])
     args.weight_sync_backend = "mpi"  # what argparse's choices keep out; the config check names the flag
-    with pytest.raises(UsageError, match="--weight-sync-backend: must be torch or ray_nccl"):
+    with pytest.raises(UsageError, match="--weight-sync-backend: must be one of torch, ray_nccl, got .mpi."):
         config_from_args(args)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--weight-sync-backend", "gloo"])

@@ -1,0 +1,231 @@
+"""Every command-line flag, declared once: its names (ColossalChat's, unchanged) and the config field it sets.
+
+Everything else about a flag is derived from the field in ``config.py``: the type (int, float, str; ``X | None``
+takes X), the default (``RLConfig()``'s value), the choices (the field's ``Literal``), the help (the field's
+docstring, unless the flag says it better). ``rl_example.py`` builds argparse from this table, maps parsed
+values back to fields (:func:`field_values`) and names the flag in errors (:func:`flag_for`). Flags that act
+outside the config (``--no-wandb``, ``--config``, ``--print-config``) are added by ``rl_example.py`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import reduce
+from typing import Any
+
+from colossal_rl.config import RLConfig
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]
+    field: str
+    """Dotted path of the config field the flag sets (``train.learning_rate``)."""
+    help: str | None = None
+    """None: the field's docstring."""
+    dest: str | None = None
+    """argparse destination; None: argparse's own (from the first long name)."""
+    kind: str = "value"
+    """``value``; ``switch`` (store_true for a False field); ``off_switch`` (store_false for a True field,
+    e.g. --no-final-export); ``toggle`` (--x / --no-x); ``inverse_switch`` (store_true that sets the field
+    False, e.g. --full-logits)."""
+    choices: tuple[str, ...] | None = None
+    """None: the field's Literal values (if any)."""
+    type: Callable[[str], Any] | None = None
+    """None: from the field's annotation."""
+    default_from_config: bool = True
+    """False: the flag defaults to None and ``rl_example.py`` derives the field (``-ed``)."""
+
+    @property
+    def destination(self) -> str:
+        if self.dest is not None:
+            return self.dest
+        long = next(name for name in self.names if name.startswith("--"))
+        return long[2:].replace("-", "_")
+
+
+def _algorithm_names() -> tuple[str, ...]:
+    from colossal_rl.presets import PRESETS
+
+    return tuple(PRESETS.names())
+
+
+FLAGS: tuple[Flag, ...] = (
+    # model and data
+    Flag(("-m", "--model"), "model.path"),
+    Flag(("--trust-remote-code",), "model.trust_remote_code", kind="switch"),
+    Flag(
+        ("-d", "--dataset"),
+        "data.train_path",
+        "Training prompts: jsonl, json, parquet, a saved datasets directory[@split] or a hub name[@split].",
+    ),
+    Flag(
+        ("-ed", "--eval-dataset"),
+        "data.eval_paths",
+        'JSON map {"task": "source"} (same kinds of source as -d); default: the embedded eval set with the '
+        "embedded training set, none otherwise.",
+        type=str,
+        default_from_config=False,
+    ),
+    Flag(("-s", "--system-prompt"), "data.system_prompt"),
+    Flag(("-mpt", "--max-prompt-tokens"), "data.max_prompt_tokens"),
+    Flag(("--prompt-key",), "data.prompt_key"),
+    Flag(("--answer-key",), "data.answer_key"),
+    # generation
+    Flag(("-b", "--backend"), "generation.backend", 'Producer inference engine; vllm needs GPUs and ".[gpu]".'),
+    Flag(("-g", "--num-generations"), "generation.num_generations"),
+    Flag(("-temp", "--temperature"), "generation.temperature"),
+    Flag(("-topk", "--top-k"), "generation.top_k"),
+    Flag(("-topp", "--top-p"), "generation.top_p"),
+    Flag(("-mnt", "--max-new-tokens"), "generation.max_new_tokens"),
+    Flag(("-imbs", "--inference-microbatch-size"), "generation.microbatch_size"),
+    Flag(("-ptp", "--producer-tensor-parallel-size"), "generation.tensor_parallel_size"),
+    Flag(("--eval-temperature",), "generation.eval_temperature"),
+    Flag(("--eval-samples",), "generation.eval_samples"),
+    Flag(("--gpu-memory-utilization",), "generation.vllm.gpu_memory_utilization"),
+    Flag(("--enforce-eager",), "generation.vllm.enforce_eager", kind="toggle"),
+    Flag(("--enable-chunked-prefill",), "generation.vllm.enable_chunked_prefill", kind="toggle"),
+    Flag(("--max-model-len",), "generation.vllm.max_model_len"),
+    # algorithm
+    Flag(("-a", "--algo"), "algorithm.name", "Algorithm preset (colossal_rl/presets.py).", type=str.upper),
+    Flag(("-kl", "--kl-coeff"), "algorithm.kl_coeff"),
+    Flag(("--old-logprobs",), "algorithm.old_logprobs"),
+    # training
+    Flag(("-lr", "--learning-rate"), "train.learning_rate"),
+    Flag(("-tbs", "--train-batch-size"), "train.batch_size"),
+    Flag(("-tMbs", "--train-minibatch-size"), "train.minibatch_size"),
+    Flag(("-tmbs", "--train-microbatch-size"), "train.microbatch_size"),
+    Flag(("--warmup-steps",), "train.warmup_steps"),
+    Flag(("--lr-schedule",), "train.lr_schedule"),
+    Flag(("--min-lr-ratio",), "train.min_lr_ratio"),
+    Flag(("--ppo-epochs",), "train.ppo_epochs"),
+    Flag(("--grad-checkpoint",), "train.gradient_checkpointing", kind="switch"),
+    Flag(("--attn-implementation",), "train.attn_implementation"),
+    Flag(
+        ("--full-logits",),
+        "train.logits_from_hidden",
+        "Compute log-probs from full [tokens, vocabulary] logits instead of from hidden states in chunks.",
+        kind="inverse_switch",
+    ),
+    Flag(("--sequence-layout",), "train.sequence_layout"),
+    Flag(("--max-tokens-per-microbatch",), "train.max_tokens_per_microbatch"),
+    # parallelism and schedule
+    Flag(("-t", "--num-trainers"), "parallel.num_trainers"),
+    Flag(("-tp", "--tensor-parallel-size"), "parallel.tp_size"),
+    Flag(("-pp", "--pipeline-parallel-size"), "parallel.pp_size"),
+    Flag(("-zero", "--zero-stage"), "parallel.zero_stage"),
+    Flag(("--precision",), "parallel.precision"),
+    Flag(("-i", "--num-inferencer"), "schedule.num_producers"),
+    Flag(("-ibs", "--inference-batch-size"), "schedule.inference_batch_size"),
+    Flag(("-e", "--num-episodes"), "schedule.num_episodes"),
+    Flag(("-nb", "--n-behind"), "schedule.n_behind"),
+    Flag(("--max-steps",), "schedule.max_steps"),
+    # reward
+    Flag(("-rt", "--reward-type"), "reward.reward_type"),
+    Flag(
+        ("--reward-fn",),
+        "reward.reward_fn",
+        "User reward plug-in path/to/file.py:function or module:function (loaded and called on one row with "
+        "an empty response before Ray starts).",
+    ),
+    Flag(("-cv", "--code-verifier-url"), "reward.code_verifier_url"),
+    Flag(("--max-infra-error-fraction",), "reward.max_infra_error_fraction"),
+    # run
+    Flag(("-p", "--project"), "run.project"),
+    Flag(("-sd", "--save-dir"), "run.save_dir"),
+    Flag(("-ei", "--eval-interval"), "run.eval_interval"),
+    Flag(("-esd", "--eval-save-dir"), "run.eval_save_dir"),
+    Flag(("--overwrite-eval-dir",), "run.overwrite_eval_dir", kind="switch"),
+    Flag(("-rsd", "--rollout-save-dir"), "run.rollout_save_dir"),
+    Flag(("--log-rollout-interval",), "run.log_rollout_interval"),
+    Flag(("--enable_profiling",), "run.enable_profiling", kind="switch"),
+    Flag(("-si", "--save-interval"), "run.save_interval"),
+    Flag(("--save-limit",), "run.save_limit"),
+    Flag(("--no-final-export",), "run.final_export", dest="final_export", kind="off_switch"),
+    Flag(("-cp", "--checkpoint-path"), "run.checkpoint_path"),
+    Flag(("--seed",), "run.seed"),
+    Flag(("--timeout",), "run.timeout_s"),
+    Flag(("--producer-threads",), "run.producer_threads"),
+    Flag(("--trainer-threads",), "run.trainer_threads"),
+    Flag(("--weight-sync-backend",), "run.weight_sync_backend"),
+    Flag(("--ray_dir",), "run.ray_dir"),
+    Flag(("--master_address",), "run.master_address"),
+    Flag(("--master_port",), "run.master_port"),
+)
+
+FLAG_FIELDS: dict[str, str] = {flag.destination: flag.field for flag in FLAGS}
+"""argparse destination -> the config field it sets."""
+
+
+def field_value(config: Any, path: str) -> Any:
+    return reduce(getattr, path.split("."), config)
+
+
+def field_annotation(path: str) -> Any:
+    """The type annotation of a dotted config field."""
+    node: Any = RLConfig
+    annotation: Any = None
+    for part in path.split("."):
+        annotation = typing.get_type_hints(node)[part]
+        node = annotation
+    return annotation
+
+
+def _value_type(annotation: Any) -> tuple[Callable[[str], Any] | None, tuple[str, ...] | None]:
+    """(argparse type, choices) for a field annotation: ``X | None`` -> X; Literal -> str with its values."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        (annotation,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return str, tuple(args)
+    if annotation in (int, float, str):
+        return annotation, None
+    raise TypeError(f"no flag type for {annotation!r}")
+
+
+def add_flags(parser: argparse.ArgumentParser, docs: dict[str, str]) -> None:
+    """One argparse argument per :data:`FLAGS` entry (type, default, choices, help derived from the field)."""
+    defaults = RLConfig()
+    for flag in FLAGS:
+        help_text = (flag.help or docs.get(flag.field, "")).replace("%", "%%")  # argparse formats help with %
+        kwargs: dict[str, Any] = {"help": help_text}
+        if flag.dest is not None:
+            kwargs["dest"] = flag.dest
+        if flag.kind in ("switch", "inverse_switch"):
+            kwargs["action"] = "store_true"
+        elif flag.kind == "off_switch":
+            kwargs["action"] = "store_false"
+        elif flag.kind == "toggle":
+            kwargs |= {"action": argparse.BooleanOptionalAction, "default": field_value(defaults, flag.field)}
+        else:
+            value_type, choices = (flag.type, None) if flag.type else _value_type(field_annotation(flag.field))
+            if flag.field == "algorithm.name":
+                choices = _algorithm_names()
+            kwargs["type"] = value_type
+            if flag.choices or choices:
+                kwargs["choices"] = list(flag.choices or choices)
+            kwargs["default"] = field_value(defaults, flag.field) if flag.default_from_config else None
+        parser.add_argument(*flag.names, **kwargs)
+
+
+def field_values(args: argparse.Namespace) -> dict[str, Any]:
+    """Config field -> the value its flag parsed to (``inverse_switch`` flags negated)."""
+    return {
+        flag.field: (not getattr(args, flag.destination))
+        if flag.kind == "inverse_switch"
+        else getattr(args, flag.destination)
+        for flag in FLAGS
+    }
+
+
+def flag_for(field_path: str) -> str:
+    """How the user types the flag of a config field (``-lr/--learning-rate``), or the field path itself."""
+    for flag in FLAGS:
+        if flag.field == field_path:
+            return "/".join(flag.names)
+    return field_path
