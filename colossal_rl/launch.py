@@ -28,9 +28,10 @@ from colossal_rl import checkpoint as ckpt
 from colossal_rl.comm.sync_stages import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
-from colossal_rl.metrics import MetricsLogger
+from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
 from colossal_rl.placement import check_transport_for_cluster
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
+from colossal_rl.rollout.eval_result import aggregate_eval
 from colossal_rl.run_outputs import (
     eval_dir,
     prepare_eval_dir,
@@ -275,21 +276,7 @@ class Driver:
 
     def _log_eval(self, results) -> dict[str, float]:
         """Log every task's accuracy (mean@k) over all producers' shares, and pass@k with several samples."""
-        correct: dict[str, float] = {}
-        passed: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        records: dict[str, list[dict]] = {}
-        k = self.config.generation.eval_samples
-        for per_producer in results:
-            for result in per_producer:
-                correct[result.task] = correct.get(result.task, 0.0) + result.accuracy * result.num_prompts
-                passed[result.task] = passed.get(result.task, 0.0) + (result.pass_at_k or 0.0) * result.num_prompts
-                counts[result.task] = counts.get(result.task, 0) + result.num_prompts
-                records.setdefault(result.task, []).extend(result.records)
-        accuracy = {task: correct[task] / max(counts[task], 1) for task in correct}
-        logged = {f"eval/{task}_accuracy": acc for task, acc in accuracy.items()}
-        if k > 1:
-            logged |= {f"eval/{task}_pass@{k}": passed[task] / max(counts[task], 1) for task in passed}
+        accuracy, logged, records = aggregate_eval(results, self.config.generation.eval_samples)
         self.metrics.log("eval", self.step, logged)
         write_eval_generations(self.eval_dir, self.step, records)
         logger.info("eval at step %d: %s", self.step, {key: round(value, 4) for key, value in logged.items()})
@@ -422,13 +409,9 @@ class Driver:
         self.dropped_stale_groups += first["dropped_stale_groups"]
         if first["samples"]:
             write_rollout_samples(self.rollout_dir, self.step + self._rollout_sample_step() + 1, first["samples"])
-        for step_index, rank0_metrics in enumerate(first["steps"]):
+        for step_index in range(len(first["steps"])):
             self.step += 1
-            merged = {
-                k: sum(r["steps"][step_index][k] for r in trainer_results) / len(trainer_results) for k in rank0_metrics
-            }
-            for already_global in ("train/loss", "train/entropy"):  # summed over data-parallel ranks by the trainers
-                merged[already_global] = rank0_metrics[already_global]
+            merged = merge_rank_step_metrics([r["steps"][step_index] for r in trainer_results])
             merged["buffer/dropped_stale_groups"] = self.dropped_stale_groups
             merged["train/data_indices"] = sorted(i for r in trainer_results for i in r["data_indices"][step_index])
             self.metrics.log("train", self.step, merged)

@@ -99,6 +99,21 @@ class MetricsLogger:
             run.finish()
 
 
+GLOBAL_STEP_METRICS = ("train/loss", "train/entropy")
+"""Step metrics every trainer already reports for the whole step (summed over data-parallel ranks)."""
+
+
+def merge_rank_step_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One optimizer step's metrics over the trainer ranks: the mean of each, except the already-global ones,
+    taken from rank 0."""
+    first = per_rank[0]
+    merged = {key: sum(metrics[key] for metrics in per_rank) / len(per_rank) for key in first}
+    for key in GLOBAL_STEP_METRICS:
+        if key in first:
+            merged[key] = first[key]
+    return merged
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     with Path(path).open(encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]

@@ -27,3 +27,27 @@ def mean_and_pass_at_k(correct: list[list[bool]]) -> tuple[float, float]:
     mean_at_k = sum(sum(flags) / len(flags) for flags in correct) / len(correct)
     pass_at_k = sum(any(flags) for flags in correct) / len(correct)
     return mean_at_k, pass_at_k
+
+
+def aggregate_eval(
+    results_per_producer: list[list[EvalResult]], samples_per_prompt: int
+) -> tuple[dict[str, float], dict[str, float], dict[str, list[dict]]]:
+    """Every producer's share of every task, joined: (accuracy per task, the metrics to log, records per task).
+
+    Accuracy (mean@k) and pass@k are weighted by each share's prompt count; pass@k is logged only with k > 1.
+    """
+    correct: dict[str, float] = {}
+    passed: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    records: dict[str, list[dict]] = {}
+    for per_producer in results_per_producer:
+        for result in per_producer:
+            correct[result.task] = correct.get(result.task, 0.0) + result.accuracy * result.num_prompts
+            passed[result.task] = passed.get(result.task, 0.0) + (result.pass_at_k or 0.0) * result.num_prompts
+            counts[result.task] = counts.get(result.task, 0) + result.num_prompts
+            records.setdefault(result.task, []).extend(result.records)
+    accuracy = {task: correct[task] / max(counts[task], 1) for task in correct}
+    logged = {f"eval/{task}_accuracy": value for task, value in accuracy.items()}
+    if samples_per_prompt > 1:
+        logged |= {f"eval/{task}_pass@{samples_per_prompt}": passed[task] / max(counts[task], 1) for task in passed}
+    return accuracy, logged, records

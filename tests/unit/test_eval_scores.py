@@ -20,3 +20,26 @@ def test_one_response_per_prompt_makes_both_the_plain_accuracy():
 
 def test_no_prompts_score_zero():
     assert mean_and_pass_at_k([]) == (0.0, 0.0)
+
+
+def _result(task, accuracy, prompts, pass_at_k=None, records=()):
+    from colossal_rl.rollout.eval_result import EvalResult
+
+    return EvalResult(task=task, accuracy=accuracy, num_prompts=prompts, records=list(records), pass_at_k=pass_at_k)
+
+
+def test_producers_shares_are_joined_weighted_by_their_prompts():
+    from colossal_rl.rollout.eval_result import aggregate_eval
+
+    shares = [
+        [_result("math", 0.5, 30, 0.8, [{"index": 0}]), _result("gsm", 1.0, 1, 1.0)],
+        [_result("math", 0.0, 10, 0.2, [{"index": 1}]), _result("gsm", 0.0, 3, 0.0)],
+    ]
+    accuracy, logged, records = aggregate_eval(shares, samples_per_prompt=4)
+    assert accuracy == pytest.approx({"math": 15 / 40, "gsm": 1 / 4})
+    assert logged == pytest.approx(
+        {"eval/math_accuracy": 15 / 40, "eval/gsm_accuracy": 0.25, "eval/math_pass@4": 26 / 40, "eval/gsm_pass@4": 0.25}
+    )
+    assert records == {"math": [{"index": 0}, {"index": 1}], "gsm": []}
+    _, one_sample, _ = aggregate_eval(shares, samples_per_prompt=1)
+    assert set(one_sample) == {"eval/math_accuracy", "eval/gsm_accuracy"}  # no pass@k with one response

@@ -84,3 +84,15 @@ def test_disabled_wandb_starts_nothing(tmp_path, monkeypatch):
     assert metrics._wandb_start is None
     metrics.log("train", 1, {"train/loss": 1.0})
     metrics.close()
+
+
+def test_step_metrics_are_averaged_over_ranks_except_the_already_global_ones():
+    from colossal_rl.metrics import merge_rank_step_metrics
+
+    ranks = [
+        {"train/loss": 0.3, "train/entropy": 2.0, "train/reward": 1.0, "train/lr": 1e-4},
+        {"train/loss": 0.7, "train/entropy": 9.0, "train/reward": 0.0, "train/lr": 1e-4},
+    ]
+    assert merge_rank_step_metrics(ranks) == pytest.approx(
+        {"train/loss": 0.3, "train/entropy": 2.0, "train/reward": 0.5, "train/lr": 1e-4}
+    )
