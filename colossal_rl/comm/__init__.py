@@ -6,7 +6,7 @@ Importing this package imports nothing heavy: each name below is imported from i
 
 from __future__ import annotations
 
-import importlib
+from colossal_rl.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "Collective": "colossal_rl.comm.process_group",
@@ -38,13 +38,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
