@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from colossal_rl.config import EMBEDDED_EVAL_DATA, ConfigError, DataConfig, RLConfig, replace
-from colossal_rl.flags import FLAG_FIELDS, field_values, flag_for
+from colossal_rl.flags import FLAG_FIELDS, field_values, flag_defaults, flag_for
 
 logger = logging.getLogger("colossal_rl")
 
@@ -65,16 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             fields = flatten(read_config_file(config_file))
         except ConfigFileError as error:
             parser.error(str(error))
-        dests = {field: dest for dest, field in FLAG_FIELDS.items()}
-        defaults = {}
-        for field, value in fields.items():
-            dest = dests.get(field)
-            if dest is None:
-                rest[field] = value
-            elif dest == "eval_dataset":
-                defaults[dest] = json.dumps(value)
-            else:
-                defaults[dest] = (not value) if dest == "full_logits" else value
+        defaults, rest = flag_defaults(fields)
         parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     args.config_fields = rest

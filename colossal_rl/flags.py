@@ -223,6 +223,25 @@ def field_values(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def flag_defaults(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Config-file fields split into (argparse defaults of the flags that set them, fields no flag sets): the
+    inverse of :func:`field_values`, so flags given on the command line still win over the file."""
+    import json
+
+    by_field = {flag.field: flag for flag in FLAGS}
+    defaults: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for field, value in fields.items():
+        flag = by_field.get(field)
+        if flag is None:
+            rest[field] = value
+        elif flag.field == "data.eval_paths":  # -ed takes a JSON map
+            defaults[flag.destination] = json.dumps(value)
+        else:
+            defaults[flag.destination] = (not value) if flag.kind == "inverse_switch" else value
+    return defaults, rest
+
+
 def flag_for(field_path: str) -> str:
     """How the user types the flag of a config field (``-lr/--learning-rate``), or the field path itself."""
     for flag in FLAGS:
