@@ -31,7 +31,7 @@ class UsageError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     """Every config flag from ``colossal_rl/flags.py`` (ColossalChat's names), plus the flags of this script."""
-    from colossal_rl.config_files import field_docs
+    from colossal_rl.config_fields import field_docs
     from colossal_rl.flags import add_flags
 
     p = argparse.ArgumentParser(
@@ -178,66 +178,15 @@ def config_from_args(args: argparse.Namespace) -> RLConfig:
         raise UsageError(str(error)) from None
 
 
-def check_inputs(config: RLConfig) -> None:
-    """Fail before starting Ray: datasets parse (with what the reward needs), the model is a local directory or
-    a hub name that is cached or reachable, and a --reward-fn plug-in loads and scores one row."""
-    from colossal_rl.data_sources import RowKeys, load_prompt_rows
-
-    keys = RowKeys.for_config(config)
-    train_rows = load_prompt_rows(config.data.train_path, keys)
-    for _, path in config.data.eval_paths:
-        load_prompt_rows(path, keys)
-    _check_model(config.model.path)
-    if config.reward.reward_fn is not None:
-        _check_reward_plugin(config.reward.reward_fn, train_rows[0], config.data.train_path)
-
-
-def _check_model(model: str) -> None:
-    """A local directory with a config.json, or a hub name in the local cache or on a reachable hub."""
-    looks_local = model.startswith((".", "/", "~")) or Path(model).exists() or model.count("/") != 1
-    if looks_local:
-        if not (Path(model).expanduser() / "config.json").is_file():
-            raise UsageError(f"-m/--model: no model directory with a config.json at {model!r}")
-        return
-    from huggingface_hub import try_to_load_from_cache
-
-    from colossal_rl.data_sources import hub_reachable
-
-    if isinstance(try_to_load_from_cache(model, "config.json"), str):
-        return  # cached: loads offline
-    if not hub_reachable():
-        raise UsageError(
-            f"-m/--model: {model!r} is not a local directory, not in the Hugging Face cache, and the hub is not "
-            "reachable (download it where there is network, or give a local path)"
-        )
-
-
-def _check_reward_plugin(spec: str, row: dict, source: str) -> None:
-    """The plug-in loads, has the right signature, and scores one training row (an empty response) without
-    raising: the user's own code, checked here so a mistake costs seconds instead of a run of infra errors."""
-    from colossal_rl.reward.plugins import RewardConfigError, load_reward_fn
-    from colossal_rl.reward.records import record_from_plugin_value
-
-    try:
-        function = load_reward_fn(spec)
-    except RewardConfigError as error:
-        raise UsageError(f"--reward-fn: {error}") from None
-    try:
-        record_from_plugin_value(function("", row))
-    except Exception as error:  # whatever the user's code raises, named in one line
-        raise UsageError(
-            f"--reward-fn {spec!r}: scoring an empty response to the first row of {source} raised "
-            f"{type(error).__name__}: {error}"
-        ) from None
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    from colossal_rl.checkpoint import CheckpointError
+    from colossal_rl.actor_groups import RunFailed
     from colossal_rl.data import DataError
-    from colossal_rl.launch import RunFailed, run_training
+    from colossal_rl.input_checks import InputError
+    from colossal_rl.launch import run_training
     from colossal_rl.placement import PlacementError
+    from colossal_rl.run_checkpoint import CheckpointError
     from colossal_rl.run_outputs import OutputDirError
 
     try:
@@ -247,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
             sys.stdout.write(config_to_yaml(config))
             return 0
-        check_inputs(config)
         summary = run_training(config, use_wandb=not args.no_wandb)
-    except (UsageError, DataError, RunFailed, CheckpointError, OutputDirError, PlacementError) as error:
+    except (UsageError, InputError, DataError, RunFailed, CheckpointError, OutputDirError, PlacementError) as error:
         logger.error("%s", error)
         return 2
     except KeyboardInterrupt:

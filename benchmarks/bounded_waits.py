@@ -151,7 +151,7 @@ def _layout_worker(rank: int, port: int, out_dir: str) -> None:
     import torch
 
     from colossal_rl.config import AlgorithmConfig, RLConfig, TrainConfig
-    from colossal_rl.training.plugins import launch_colossalai, make_hybrid_plugin
+    from colossal_rl.training.booster_plugins import launch_colossalai, make_hybrid_plugin
     from colossal_rl.training.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """Per-GPU memory of one consumer (trainer) in each parallel layout: model states by arithmetic.
 
 An estimate, not measured on a GPU. Bytes per parameter held on one GPU during forward/backward in
-bf16 training, for the plugins ``colossal_rl.training.plugins.make_plugin`` builds (ColossalAI 0.5.0,
+bf16 training, for the plugins ``colossal_rl.training.booster_plugins.make_plugin`` builds (ColossalAI 0.5.0,
 read from its source), with N the data-parallel size:
 
 - ZeRO 0, no pipeline (``HybridParallelPlugin`` wrapping torch DDP): 2 bf16 weights + 2 bf16 gradients

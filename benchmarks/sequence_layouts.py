@@ -102,7 +102,7 @@ def main() -> None:
 
     import torch
 
-    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.booster_plugins import launch_colossalai
 
     torch.set_num_threads(args.threads)
     launch_colossalai(0, 1, "127.0.0.1", 29533, on_cpu=True)

@@ -74,17 +74,19 @@ class BufferActor:
         producer_rank: int,
         payload: list,
         num_groups: int,
-        version: int,
+        policy_version: int,
         group_tokens: tuple[int, ...] = (),
     ) -> None:
-        self._buffer.put(round_index, producer_rank, payload[0] if payload else None, num_groups, version, group_tokens)
+        self._buffer.put(
+            round_index, producer_rank, payload[0] if payload else None, num_groups, policy_version, group_tokens
+        )
         self._arrivals.setdefault(round_index, {})[producer_rank] = time.time()
         while len(self._arrivals) > 8:
             del self._arrivals[min(self._arrivals)]
         async with self._condition():
             self._condition().notify_all()
 
-    async def take(self, round_index: int, dp_rank: int, trainer_version: int, timeout_s: float) -> Assignment:
+    async def take(self, round_index: int, dp_rank: int, trainer_policy_version: int, timeout_s: float) -> Assignment:
         condition = self._condition()
         async with condition:
             try:
@@ -93,7 +95,7 @@ class BufferActor:
                 raise TimeoutError(
                     f"buffer: round {round_index} incomplete after {timeout_s:.0f}s (a producer is late or dead)"
                 ) from None
-        return self._buffer.take(round_index, dp_rank, trainer_version)
+        return self._buffer.take(round_index, dp_rank, trainer_policy_version)
 
     async def arrival_times(self, round_index: int) -> dict[int, float]:
         """Producer rank -> when its share of ``round_index`` arrived (wall clock), if among the last few rounds."""
@@ -168,6 +170,7 @@ class ProducerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "train_rows": len(self.producer.train_data),
+            "dropped_overlong": self.producer.train_data.dropped_overlong,
             "startup": self.startup.drain() + self.producer.startup.drain(),
         }
 
@@ -191,13 +194,15 @@ class ProducerActor:
             for stage, (host, port) in enumerate(stage_addresses)
         ]
 
-    def receive_weights(self, version: int) -> None:
+    def receive_weights(self, policy_version: int) -> None:
         from colossal_rl.comm.weight_sync import receive_stages
 
         with self.producer.phases.record("sync"):
             received_version, tensors = receive_stages(self.receivers)
-            if received_version != version:
-                raise RuntimeError(f"producer {self.rank}: expected weights version {version}, got {received_version}")
+            if received_version != policy_version:
+                raise RuntimeError(
+                    f"producer {self.rank}: expected weights version {policy_version}, got {received_version}"
+                )
             self.producer.load_weights(received_version, tensors)
 
     def produce(self, round_index: int, buffer) -> dict[str, float]:
@@ -289,7 +294,7 @@ class TrainerActor:
         timeout = self.config.run.timeout_s
         with self.trainer.phases.record("wait"):
             assignment = ray.get(
-                buffer.take.remote(round_index, self.trainer.dp_rank, self.trainer.step_version, timeout),
+                buffer.take.remote(round_index, self.trainer.dp_rank, self.trainer.policy_version, timeout),
                 timeout=timeout + 10,
             )
         with self.trainer.phases.record("fetch"):
@@ -312,18 +317,18 @@ class TrainerActor:
         return {
             "train/reward": float(batch.rewards.mean()),
             "train/accuracy": float(batch.answer_correct.mean()),
-            "train/staleness": float(self.trainer.step_version - batch.policy_version),
+            "train/staleness": float(self.trainer.policy_version - batch.policy_version),
         }
 
     def set_total_steps(self, total_steps: int) -> None:
         self.trainer.set_total_steps(total_steps)
 
-    def push_weights(self, version: int) -> None:
+    def push_weights(self, policy_version: int) -> None:
         with self.trainer.phases.record("sync"):
             state = self.trainer.stage_state_dict()
             if self.sender is not None:
-                self.sender.send(state, version)
-        self.trainer.step_version = version
+                self.sender.send(state, policy_version)
+        self.trainer.policy_version = policy_version
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.trainer.full_state_dict()

@@ -17,12 +17,12 @@ and the field (``run.yaml: train.learnign_rate: no such field (train has: ...)``
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from pathlib import Path
 from typing import Any
 
 from colossal_rl.config import ConfigError, RLConfig
+from colossal_rl.config_fields import literal_choices, unwrap_optional
 
 CONFIG_FILE = "config.yaml"
 
@@ -130,22 +130,15 @@ def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
         raise _FieldError(path, "expected a map of task name to dataset source")
     if dataclasses.is_dataclass(annotation):
         raise _FieldError(path, "is a section; give its fields")
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors: list[_FieldError] = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, option, path, source)
-            except _FieldError as error:
-                errors.append(error)
-        raise errors[0] if errors else _FieldError(path, f"unsupported value {value!r}")
-    if origin is typing.Literal:
-        if value in args:
+    annotation, optional = unwrap_optional(annotation)
+    if value is None and optional:
+        return None
+    choices = literal_choices(annotation)
+    if choices is not None:
+        if value in choices:
             return value
-        raise _FieldError(path, f"must be one of {', '.join(map(str, args))}, got {value!r}")
-    if origin is tuple:
+        raise _FieldError(path, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+    if typing.get_origin(annotation) is tuple:
         if isinstance(value, list | tuple):
             return tuple(value)
         raise _FieldError(path, f"expected a list, got {value!r}")
@@ -159,35 +152,6 @@ def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
     if annotation in (int, str, bool) and type(value) is annotation:
         return value
     raise _FieldError(path, f"expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
-
-
-def field_docs() -> dict[str, str]:
-    """``"train.learning_rate"`` -> that field's docstring in ``config.py``, on one line (the flags' help)."""
-    import ast
-    import inspect
-
-    from colossal_rl import config as config_module
-
-    classes = {
-        node.name: node for node in ast.parse(inspect.getsource(config_module)).body if isinstance(node, ast.ClassDef)
-    }
-
-    def docs_of(cls: type, prefix: str) -> dict[str, str]:
-        found: dict[str, str] = {}
-        body = classes[cls.__name__].body
-        for statement, following in zip(body, [*body[1:], None], strict=True):
-            if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
-                continue
-            name = statement.target.id
-            value = getattr(cls, "__dataclass_fields__", {}).get(name)
-            hints = typing.get_type_hints(cls)
-            if value is not None and dataclasses.is_dataclass(hints.get(name)):
-                found |= docs_of(hints[name], f"{prefix}{name}.")
-            elif isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant):
-                found[f"{prefix}{name}"] = " ".join(str(following.value.value).replace("``", "").split())
-        return found
-
-    return docs_of(RLConfig, "")
 
 
 def load_config_file(path: str | Path, base: RLConfig | None = None) -> RLConfig:

@@ -10,14 +10,12 @@ outside the config (``--no-wandb``, ``--config``, ``--print-config``) are added 
 from __future__ import annotations
 
 import argparse
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import reduce
 from typing import Any
 
 from colossal_rl.config import RLConfig
+from colossal_rl.config_fields import field_annotation, field_value, literal_choices, unwrap_optional
 
 
 @dataclass(frozen=True)
@@ -161,28 +159,12 @@ FLAG_FIELDS: dict[str, str] = {flag.destination: flag.field for flag in FLAGS}
 """argparse destination -> the config field it sets."""
 
 
-def field_value(config: Any, path: str) -> Any:
-    return reduce(getattr, path.split("."), config)
-
-
-def field_annotation(path: str) -> Any:
-    """The type annotation of a dotted config field."""
-    node: Any = RLConfig
-    annotation: Any = None
-    for part in path.split("."):
-        annotation = typing.get_type_hints(node)[part]
-        node = annotation
-    return annotation
-
-
 def _value_type(annotation: Any) -> tuple[Callable[[str], Any] | None, tuple[str, ...] | None]:
     """(argparse type, choices) for a field annotation: ``X | None`` -> X; Literal -> str with its values."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        (annotation,) = [a for a in args if a is not type(None)]
-        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Literal:
-        return str, tuple(args)
+    annotation, _ = unwrap_optional(annotation)
+    choices = literal_choices(annotation)
+    if choices is not None:
+        return str, choices
     if annotation in (int, float, str):
         return annotation, None
     raise TypeError(f"no flag type for {annotation!r}")

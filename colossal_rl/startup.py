@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,3 +128,34 @@ def phase_seconds_from_json(record: dict, actor: str) -> dict[str, float]:
     for span in record["actors"].get(actor, []):
         seconds[span["phase"]] = seconds.get(span["phase"], 0.0) + span["end_s"] - span["start_s"]
     return seconds
+
+
+def first_round_report(
+    *,
+    origin: float,
+    driver: Sequence[Span],
+    actors: Mapping[str, Sequence[Span]],
+    arrivals: Mapping[int, float],
+    produce_seconds: Sequence[float | None],
+    now: float,
+) -> StartupReport:
+    """The start-up report once the first round this run trains is in the buffer.
+
+    ``driver``: the driver's phases; ``actors``: every actor's own phases (``spawn`` included); ``arrivals``:
+    producer rank -> when its share of that round arrived; ``produce_seconds``: per producer, how long
+    generating it took (None: restored from a checkpoint, not produced by this run). The round is ready when
+    the last share arrived (``now`` if no arrival was recorded); the driver's wait for it is its last phase.
+    """
+    ready_at = max(arrivals.values()) if arrivals else now
+    driver_spans = list(driver)
+    if driver_spans and driver_spans[-1].end < ready_at:
+        driver_spans.append(Span(FIRST_ROUND, driver_spans[-1].end, ready_at))
+    spans: dict[str, tuple[Span, ...]] = {"driver": tuple(driver_spans)}
+    for rank, seconds in enumerate(produce_seconds):
+        name = f"producer {rank}"
+        producer_spans = list(actors.get(name, ()))
+        if rank in arrivals and seconds is not None:
+            producer_spans.append(Span(FIRST_ROUND, arrivals[rank] - seconds, arrivals[rank]))
+        spans[name] = tuple(producer_spans)
+    spans |= {name: tuple(s) for name, s in actors.items() if name.startswith("trainer")}
+    return StartupReport(origin=origin, spans=spans, first_round_ready_at=ready_at)

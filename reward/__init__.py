@@ -14,7 +14,6 @@ the calling process. Importing this package imports neither math-verify nor symp
 
 from .factory import REWARD_TYPES, RewardScorer, build_reward_scorer
 from .math_scorer import MathRewardConfig
-from .plugins import RewardConfigError
 from .records import (
     AMBIGUOUS_ANSWER,
     FORMAT_ERROR,
@@ -26,6 +25,7 @@ from .records import (
     RewardRecord,
 )
 from .sandbox import SandboxConfig
+from .user_functions import RewardConfigError
 
 __all__ = [
     "AMBIGUOUS_ANSWER",

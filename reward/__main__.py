@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .factory import REWARD_TYPES, build_reward_scorer
-from .plugins import RewardConfigError
+from .user_functions import RewardConfigError
 
 logger = logging.getLogger("colossal_rl.reward")
 

@@ -10,9 +10,9 @@ from typing import Any, Protocol
 from .code_runner import LocalCodeRunner, RemoteCodeRunner
 from .code_scorer import CodeScorer
 from .math_scorer import EXTRACTORS, MathRewardConfig, MathScorer
-from .plugins import PluginScorer, RewardConfigError, load_reward_fn
 from .records import RewardRecord
 from .sandbox import SandboxConfig
+from .user_functions import PluginScorer, RewardConfigError, load_reward_fn
 
 REWARD_TYPES = (*EXTRACTORS, "code")
 TOKEN_ENV = "COLOSSAL_RL_VERIFIER_TOKEN"

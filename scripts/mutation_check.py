@@ -104,7 +104,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="lr_scheduler_not_restored",
         why="resuming restarts the learning-rate warm-up",
-        path="colossal_rl/training/checkpointing.py",
+        path="colossal_rl/training/trainer_state.py",
         old="    booster.load_lr_scheduler(lr_scheduler, str(directory / SCHEDULER_FILE))\n",
         new="",
         tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
@@ -112,7 +112,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="rng_not_restored",
         why="resuming trains with a different random stream (dropout) than the uninterrupted run",
-        path="colossal_rl/training/checkpointing.py",
+        path="colossal_rl/training/trainer_state.py",
         old='    torch.set_rng_state(rng["torch"])\n',
         new="",
         tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
@@ -120,7 +120,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="export_moves_trainer_rng",
         why="the HF export at a checkpoint draws from the trainer's RNG, so the resumed run's dropout differs",
-        path="colossal_rl/training/checkpointing.py",
+        path="colossal_rl/training/trainer_state.py",
         old="    with torch.random.fork_rng(devices=[]):\n",
         new="    if True:\n",
         tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
@@ -154,7 +154,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="tp_logits_shifted",
         why="tensor-parallel logits gathered off by one vocabulary column (wrong TP x PP weights, synced faithfully)",
-        path="colossal_rl/training/plugins.py",
+        path="colossal_rl/training/booster_plugins.py",
         old="    return full[..., :vocab_size]\n",
         new="    return full.roll(1, -1)[..., :vocab_size]\n",
         tests=("tests/dist/test_stage_sync_tp_pp.py::test_synced_weights_match_a_single_process_reference",),

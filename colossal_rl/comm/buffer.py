@@ -122,14 +122,14 @@ class RoundBuffer:
         state = self._rounds.get(round_index)
         return state is not None and len(state.deliveries) == self.num_producers
 
-    def take(self, round_index: int, dp_rank: int, trainer_version: int) -> Assignment:
+    def take(self, round_index: int, dp_rank: int, trainer_policy_version: int) -> Assignment:
         """This rank's share of ``round_index`` (the round must be complete)."""
         if round_index not in self._assignments:
             if round_index != self._last_dealt_round + 1:
                 raise ValueError(f"round {round_index} asked for before round {self._last_dealt_round + 1}")
             if not self.is_complete(round_index):
                 raise RuntimeError(f"round {round_index} is not complete")
-            self._deal(round_index, trainer_version)
+            self._deal(round_index, trainer_policy_version)
         pending, takes_left = self._assignments[round_index], self._takes_left[round_index]
         if dp_rank not in pending:
             raise ValueError(
@@ -143,7 +143,7 @@ class RoundBuffer:
             del self._assignments[round_index], self._takes_left[round_index]
         return assignment
 
-    def _deal(self, round_index: int, trainer_version: int) -> None:
+    def _deal(self, round_index: int, trainer_policy_version: int) -> None:
         state = self._rounds.pop(round_index)
         self._last_dealt_round = round_index
         carried = len(self._pool)
@@ -152,7 +152,7 @@ class RoundBuffer:
             self._pool.extend(
                 GroupRef(payload, g, version, round_index, tokens[g] if tokens else 0) for g in range(num_groups)
             )
-        fresh = [g for g in self._pool if trainer_version - g.policy_version <= self.n_behind]
+        fresh = [g for g in self._pool if trainer_policy_version - g.policy_version <= self.n_behind]
         dropped = len(self._pool) - len(fresh)
         self.dropped_stale_groups += dropped
         per_step = self.dp_size * self.groups_per_step

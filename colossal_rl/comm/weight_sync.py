@@ -245,18 +245,20 @@ class WeightSender:
         self._staging_bytes = max((b.nbytes for b in self.buckets if len(b.slots) > 1 or b.carries_header), default=0)
         self._staging_views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (bucket, staging) -> views
         self._chunks = [chunk_ranges(bucket.nbytes, bucket_bytes) for bucket in self.buckets]
-        self.last_version: int | None = None
+        self.last_policy_version: int | None = None
         logger.info(
             "%r sends %d tensors, %.1f MB in %d buckets",
             group, len(layout.tensors), layout.total_bytes / 1e6, len(self.buckets),
         )  # fmt: skip
 
-    def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Broadcast ``state_dict`` as ``version``; returns once every bucket has left this process."""
-        if self.last_version is not None and version <= self.last_version:
-            raise ValueError(f"weight versions must increase: sent {self.last_version}, now asked to send {version}")
+    def send(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Broadcast ``state_dict`` as ``policy_version``; returns once every bucket has left this process."""
+        if self.last_policy_version is not None and policy_version <= self.last_policy_version:
+            raise ValueError(
+                f"weight versions must increase: sent {self.last_policy_version}, now asked to send {policy_version}"
+            )
         self.layout.check(state_dict)  # before anything is sent, so a bad call leaves the group usable
-        header = torch.tensor([version, self.checksum], dtype=torch.int64)
+        header = torch.tensor([policy_version, self.checksum], dtype=torch.int64)
         in_flight: deque[tuple[int | None, PendingCollective]] = deque()
         packed = 0
         with torch.no_grad():
@@ -276,7 +278,7 @@ class WeightSender:
                 )
             while in_flight:
                 in_flight.popleft()[1].wait()
-        self.last_version = version
+        self.last_policy_version = policy_version
 
     def _direct_payload(self, bucket: Bucket, state_dict: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """A lone contiguous tensor already on the device is sent as it is, without a copy."""
@@ -331,24 +333,24 @@ class WeightReceiver:
         self._header = self._buffers[0][:HEADER_BYTES].view(torch.int64)
         self._bucket_views = [unpack_bucket(b, buf) for b, buf in zip(self.buckets, self._buffers, strict=True)]
         self._chunks = [chunk_ranges(bucket.nbytes, bucket_bytes) for bucket in self.buckets]
-        self.last_version: int | None = None
+        self.last_policy_version: int | None = None
 
     def receive(
         self, on_bucket: Callable[[dict[str, torch.Tensor]], None] | None = None
     ) -> tuple[int, dict[str, torch.Tensor]]:
-        """Wait for the next sync; return its version and ``name -> tensor`` in layout order.
+        """Wait for the next sync; return its policy version and ``name -> tensor`` in layout order.
 
         The tensors are views into buffers the next ``receive`` overwrites: load or copy them first.
         ``on_bucket`` is called with each bucket's tensors as soon as that bucket has arrived.
         """
         pending = [self._post(index) for index in range(len(self.buckets))]  # all at once: one round trip
         _wait_all(pending[0])
-        version, checksum = self._header.tolist()
+        policy_version, checksum = self._header.tolist()
         problem = None
         if checksum != self.checksum:
             problem = f"the sync header's plan checksum is {checksum}, not {self.checksum}"
-        elif self.last_version is not None and version <= self.last_version:
-            problem = f"weight version went from {self.last_version} to {version}; versions must increase"
+        elif self.last_policy_version is not None and policy_version <= self.last_policy_version:
+            problem = f"weight version went from {self.last_policy_version} to {policy_version}; versions must increase"
         if problem is not None:
             for chunks_pending in pending[1:]:  # stay in step with the sender before refusing the sync
                 _wait_all(chunks_pending)
@@ -360,8 +362,8 @@ class WeightReceiver:
             if on_bucket is not None and views:
                 on_bucket(views)
             received.update(views)
-        self.last_version = version
-        return version, received
+        self.last_policy_version = policy_version
+        return policy_version, received
 
     def _post(self, bucket_index: int) -> list[PendingCollective]:
         buffer = self._buffers[bucket_index]

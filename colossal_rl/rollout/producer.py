@@ -172,11 +172,13 @@ class Producer:
         return records
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, version: int, named_tensors: dict[str, torch.Tensor]) -> None:
-        if version <= self.policy_version:
-            raise ValueError(f"producer {self.rank}: weights version {version} is not newer than {self.policy_version}")
+    def load_weights(self, policy_version: int, named_tensors: dict[str, torch.Tensor]) -> None:
+        if policy_version <= self.policy_version:
+            raise ValueError(
+                f"producer {self.rank}: weights version {policy_version} is not newer than {self.policy_version}"
+            )
         self.backend.load_weights(named_tensors)
-        self.policy_version = version
+        self.policy_version = policy_version
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, num_producers: int) -> list[EvalResult]:

@@ -215,7 +215,7 @@ class VllmBackend:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         import vllm
 
-        self.version = vllm.__version__
+        self.vllm_version = vllm.__version__
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         vllm_weights.check_architecture(getattr(self.hf_config, "architectures", None))
@@ -223,7 +223,7 @@ class VllmBackend:
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.tokenizer, generation_eos)
         self.tensor_parallel_size = tensor_parallel_size
         self.route = vllm_weights.weight_load_route(
-            self.version,
+            self.vllm_version,
             has_collective_rpc=hasattr(vllm.LLM, "collective_rpc"),
             tensor_parallel_size=tensor_parallel_size,
         )
@@ -243,7 +243,7 @@ class VllmBackend:
                 trust_remote_code=trust_remote_code,
             )
         )
-        logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s, weights via %s)", self.version, model_path,
+        logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s, weights via %s)", self.vllm_version, model_path,
                     tensor_parallel_size, max_len, self.route)  # fmt: skip
 
     def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:

@@ -15,7 +15,7 @@ or changed its signature (e.g. after a ColossalAI upgrade). This module does not
 that ColossalAI's CUDA path uses, and does not import colossalai until a function is called.
 
 ZeRO's communication overlap needs CUDA streams and ``record_stream``: that is not patched here;
-``plugins.py`` turns ``overlap_communication`` off on CPU instead.
+``booster_plugins.py`` turns ``overlap_communication`` off on CPU instead.
 """
 
 from __future__ import annotations

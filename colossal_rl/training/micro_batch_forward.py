@@ -126,6 +126,6 @@ class MicroBatchForward:
         """Logits with every vocabulary entry (gathered from the tensor-parallel shards), or hidden states as is."""
         if head_weight is not None or self.tp_group is None:
             return outputs
-        from colossal_rl.training.plugins import gather_vocab_parallel_logits
+        from colossal_rl.training.booster_plugins import gather_vocab_parallel_logits
 
         return gather_vocab_parallel_logits(outputs, self.tp_group, self.vocab_size)

@@ -162,7 +162,7 @@ def response_logprobs(
             )
     logits = model(**inputs).logits
     if tp_group is not None:
-        from colossal_rl.training.plugins import gather_vocab_parallel_logits
+        from colossal_rl.training.booster_plugins import gather_vocab_parallel_logits
 
         if vocab_size is None:
             raise ValueError("vocab-sharded logits (tp_group) need vocab_size")

@@ -98,7 +98,7 @@ class Trainer:
         self.master_addr = master_addr
         self.master_port = master_port
         self.step = 0
-        self.step_version = 0
+        self.policy_version = 0
         """Weights version the trainer holds: rounds trained so far (bumped at each push)."""
         self.on_cpu = not torch.cuda.is_available()
         self.device = None if device is None else torch.device(device)
@@ -112,7 +112,7 @@ class Trainer:
     def setup(self) -> None:
         """Start the consumers' process group (once per process), then :meth:`build`."""
         with self.startup.record("colossalai import"):
-            from colossal_rl.training.plugins import launch_colossalai
+            from colossal_rl.training.booster_plugins import launch_colossalai
         with self.startup.record("process group"):
             launch_colossalai(self.rank, self.world_size, self.master_addr, self.master_port, on_cpu=self.on_cpu)
         self.build()
@@ -126,8 +126,8 @@ class Trainer:
         from colossalai.booster import Booster
         from transformers import AutoTokenizer
 
+        from colossal_rl.training.booster_plugins import make_plugin, tensor_parallel_group
         from colossal_rl.training.model_loading import load_policy
-        from colossal_rl.training.plugins import make_plugin, tensor_parallel_group
 
         if self.device is None:
             self.device = training_device()
@@ -496,7 +496,7 @@ class Trainer:
         self.schedule_horizon.total_steps = total_steps
 
     def _optimizer_step(self) -> float:
-        from colossal_rl.training.plugins import clip_and_step
+        from colossal_rl.training.booster_plugins import clip_and_step
 
         grad_norm = clip_and_step(self.model, self.optimizer, self.plugin, self.config.train.max_norm)
         self.lr_scheduler.step()
@@ -526,8 +526,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: Path) -> None:
         """Collective: every rank writes its state into ``directory/trainer``; the full-weights rank exports ``hf``."""
-        from colossal_rl.checkpoint import EXPORT_DIR, TRAINER_DIR
-        from colossal_rl.training.checkpointing import save_trainer_state
+        from colossal_rl.run_checkpoint import EXPORT_DIR, TRAINER_DIR
+        from colossal_rl.training.trainer_state import save_trainer_state
 
         directory = Path(directory)
         save_trainer_state(
@@ -544,7 +544,7 @@ class Trainer:
     def export_model(self, directory: Path) -> None:
         """Collective: the rank holding the full weights writes the policy as a Hugging Face model into
         ``directory``."""
-        from colossal_rl.training.checkpointing import export_hf
+        from colossal_rl.training.trainer_state import export_hf
 
         full_state = self.full_state_dict()
         if full_state is not None:
@@ -557,10 +557,10 @@ class Trainer:
         dist.barrier()
 
     def load_checkpoint(self, directory: Path, policy_version: int) -> None:
-        from colossal_rl.checkpoint import TRAINER_DIR
-        from colossal_rl.training.checkpointing import load_trainer_state
+        from colossal_rl.run_checkpoint import TRAINER_DIR
+        from colossal_rl.training.trainer_state import load_trainer_state
 
         self.step = load_trainer_state(
             self.booster, self.model, self.optimizer, self.lr_scheduler, Path(directory) / TRAINER_DIR, rank=self.rank
         )
-        self.step_version = policy_version
+        self.policy_version = policy_version

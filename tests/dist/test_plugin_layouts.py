@@ -214,7 +214,7 @@ def _clone(state_dict: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor
 def _consumer(rank: int, port: int, sync_ports: list[list[int]], out_dir: Path) -> None:
     _configure_process()
     from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
-    from colossal_rl.training.plugins import launch_colossalai, make_hybrid_plugin
+    from colossal_rl.training.booster_plugins import launch_colossalai, make_hybrid_plugin
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(rank, WORLD_SIZE, HOST, port, on_cpu=True)
@@ -251,7 +251,7 @@ def _reference_and_producer(port: int, sync_ports: list[list[int]], out_dir: Pat
     """Single-process reference runs, then the receiving end of every layout's weight sync."""
     _configure_process()
     from colossal_rl.comm.weight_sync import join_as_receiver, receive_stages, stage_group_name
-    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.booster_plugins import launch_colossalai
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(0, 1, HOST, port, on_cpu=True)

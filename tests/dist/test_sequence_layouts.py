@@ -91,7 +91,7 @@ def _consumer(rank: int, port: int, out_dir: Path) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     torch.optim.AdamW = lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr)  # the update is the gradient
-    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.booster_plugins import launch_colossalai
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(rank, WORLD_SIZE, HOST, port, on_cpu=True)

@@ -75,7 +75,7 @@ def _batch(vocab_size: int, pad_token_id: int):
 def _consumer(rank: int, port: int, stage_ports: list[int], out_dir: Path) -> None:
     torch.set_num_threads(1)
     from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
-    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.booster_plugins import launch_colossalai
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(rank, CONSUMERS, HOST, port, on_cpu=True)
@@ -102,7 +102,7 @@ def _consumer(rank: int, port: int, stage_ports: list[int], out_dir: Path) -> No
 
 def _reference(port: int, out_dir: Path) -> None:
     """The same step in this one process, without parallelism: the weights the sync should deliver."""
-    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.booster_plugins import launch_colossalai
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(0, 1, HOST, port, on_cpu=True)

@@ -16,7 +16,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
+from colossal_rl.config import (
+    EMBEDDED_TRAIN_DATA,
+    GenerationConfig,
+    ParallelConfig,
+    RLConfig,
+    RunConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from colossal_rl.config_files import load_config_file
 from colossal_rl.metrics import MetricsLogger, read_metrics
 from colossal_rl.startup import phase_seconds_from_json, read_startup
@@ -165,6 +173,9 @@ def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
     kept = load_config_file(run_dir / "config.yaml")  # the run's resolved config, reusable with --config
     assert (kept.parallel.num_trainers, kept.train.batch_size, kept.schedule.max_steps) == (2, 4, 6)
     records = read_metrics(run_dir / "metrics.jsonl")
+    (data,) = [r for r in records if r["kind"] == "data"]
+    embedded_rows = len(EMBEDDED_TRAIN_DATA.read_text().splitlines())
+    assert (data["data/train_prompts"], data["data/dropped_overlong_prompts"]) == (embedded_rows, 0)
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 4, 6]
     start, end = evals[0]["eval/math_accuracy"], evals[-1]["eval/math_accuracy"]

@@ -18,7 +18,7 @@ def run_rounds(buffer: RoundBuffer, rounds: range) -> list:
     out = []
     for r in rounds:
         buffer.put(r + 1, 0, f"P{r + 1}", 3, policy_version=r) if r + 1 < 6 else None
-        out.append(dealt(buffer.take(r, 0, trainer_version=r)))
+        out.append(dealt(buffer.take(r, 0, trainer_policy_version=r)))
     return out
 
 
@@ -44,10 +44,10 @@ def test_restored_buffer_continues_like_the_original_with_carried_and_undealt_ro
 def test_snapshot_refuses_half_taken_rounds_and_restore_needs_a_fresh_buffer():
     buffer = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=1, n_behind=0)
     buffer.put(0, 0, "A", 2, policy_version=0)
-    buffer.take(0, 0, trainer_version=0)
+    buffer.take(0, 0, trainer_policy_version=0)
     with pytest.raises(RuntimeError, match="dealt but not taken"):
         buffer.snapshot()
-    buffer.take(0, 1, trainer_version=0)
+    buffer.take(0, 1, trainer_policy_version=0)
     snapshot = buffer.snapshot()
     with pytest.raises(RuntimeError, match="fresh buffer"):
         buffer.restore(snapshot)

@@ -17,7 +17,8 @@ from colossal_rl.presets import algorithm_preset
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
 
-from rl_example import UsageError, build_parser, check_inputs, config_from_args, main  # noqa: E402
+from colossal_rl.input_checks import check_inputs  # noqa: E402
+from rl_example import UsageError, build_parser, config_from_args, main  # noqa: E402
 
 HEAVY_MODULES = ("ray", "colossalai", "vllm")
 

@@ -123,7 +123,7 @@ def test_the_flag_table_is_the_one_the_probes_check():
 
 
 def test_every_settable_field_has_exactly_one_flag_or_is_a_config_file_field_and_every_flag_has_help():
-    from colossal_rl.config_files import field_docs
+    from colossal_rl.config_fields import field_docs
 
     fields = set(field_docs())
     flagged = list(FLAG_FIELDS.values())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from colossal_rl import checkpoint as ckpt
+from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.comm.buffer import BufferSnapshot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +55,8 @@ def test_resume_with_changed_batch_layout_is_refused_naming_the_fields(tmp_path,
     saved_config = config_for()
     staging = ckpt.staging_dir(tmp_path / "checkpoints", 4)
     state = ckpt.RunState(
-        step=4, next_round=4, policy_version=4, dropped_stale_groups=0, next_eval_step=20,
-        eval_accuracy_before={}, run_dir=str(tmp_path),
+        progress=ckpt.RunProgress(step=4, next_round=4, policy_version=4, next_eval_step=20, eval_accuracy_before={}),
+        run_dir=str(tmp_path),
         config=json.loads(json.dumps(dataclasses.asdict(saved_config))),
     )  # fmt: skip
     empty = BufferSnapshot(payloads=[], rounds={}, pool=[], last_dealt_round=3, dropped_stale_groups=0)

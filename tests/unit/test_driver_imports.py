@@ -23,7 +23,8 @@ DRIVER = """
 import pickle, sys
 import rl_example
 config = rl_example.config_from_args(rl_example.build_parser().parse_args([]))
-rl_example.check_inputs(config)
+from colossal_rl.input_checks import check_inputs
+check_inputs(config)
 from colossal_rl.data_sources import load_prompt_rows
 from colossal_rl.launch import Driver, run_training, total_rounds
 import colossal_rl.actors, colossal_rl.startup

@@ -12,6 +12,7 @@ from colossal_rl.profiling import PhaseRecorder, Span
 from colossal_rl.startup import (
     STARTUP_FILE,
     StartupReport,
+    first_round_report,
     phase_seconds_from_json,
     process_started_at,
     read_startup,
@@ -95,3 +96,30 @@ def test_recorder_keeps_phases_timed_elsewhere_and_in_blocks():
     disabled = PhaseRecorder(enabled=False)
     disabled.add("actors", 1.0, 2.0)
     assert disabled.drain() == []
+
+
+def test_first_round_report_ends_each_producer_and_the_driver_at_their_hand_off():
+    report = first_round_report(
+        origin=100.0,
+        driver=[Span("ray start", 100.0, 102.0), Span("actors", 102.0, 110.0)],
+        actors={
+            "producer 0": [Span("spawn", 102.0, 104.0)],
+            "producer 1": [Span("spawn", 102.0, 105.0)],
+            "trainer 0": [Span("spawn", 102.0, 106.0)],
+        },
+        arrivals={0: 118.0, 1: 120.0},
+        produce_seconds=[6.0, None],  # producer 1's share was restored from a checkpoint
+        now=500.0,
+    )
+    assert report.first_round_ready_at == 120.0  # the last share, not "now"
+    assert report.spans["driver"][-1] == Span("first round", 110.0, 120.0)
+    assert report.spans["producer 0"][-1] == Span("first round", 112.0, 118.0)
+    assert [s.phase for s in report.spans["producer 1"]] == ["spawn"]
+    assert list(report.spans) == ["driver", "producer 0", "producer 1", "trainer 0"]
+
+
+def test_first_round_report_without_arrivals_is_ready_now_and_adds_no_driver_wait():
+    report = first_round_report(
+        origin=0.0, driver=[Span("actors", 0.0, 5.0)], actors={}, arrivals={}, produce_seconds=[], now=3.0
+    )
+    assert report.first_round_ready_at == 3.0 and report.spans["driver"] == (Span("actors", 0.0, 5.0),)

@@ -100,7 +100,7 @@ def test_buffer_deals_each_step_balanced_with_equal_group_counts():
     buffer = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
     # Step 0: A:0..3 with costs 100, 90, 10, 5 (by position rank 0 would get 190, rank 1 15); step 1: A:4..7.
     buffer.put(0, 0, "A", 8, policy_version=0, group_tokens=(100, 90, 10, 5, 7, 7, 7, 7))
-    rank0, rank1 = (buffer.take(0, rank, trainer_version=0) for rank in range(2))
+    rank0, rank1 = (buffer.take(0, rank, trainer_policy_version=0) for rank in range(2))
     assert rank0.num_steps == rank1.num_steps == 2
     step0 = [rank0.groups[:2], rank1.groups[:2]]
     assert sorted(g.group_index for share in step0 for g in share) == [0, 1, 2, 3]
@@ -111,7 +111,10 @@ def test_buffer_deals_each_step_balanced_with_equal_group_counts():
 def test_buffer_without_costs_deals_by_position():
     buffer = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
     buffer.put(0, 0, "A", 4, policy_version=0)
-    assert [names(buffer.take(0, rank, trainer_version=0)) for rank in range(2)] == [["A:0", "A:1"], ["A:2", "A:3"]]
+    assert [names(buffer.take(0, rank, trainer_policy_version=0)) for rank in range(2)] == [
+        ["A:0", "A:1"],
+        ["A:2", "A:3"],
+    ]
 
 
 def test_costs_must_match_the_group_count():
@@ -125,11 +128,11 @@ def test_costs_survive_a_snapshot_and_old_snapshots_restore_without_them():
     buffer.put(0, 0, "A", 6, policy_version=0, group_tokens=(1, 2, 3, 4, 50, 60))  # 2 groups carried over
     buffer.put(1, 0, "B", 2, policy_version=0, group_tokens=(70, 80))  # delivered, not dealt
     for rank in range(2):
-        buffer.take(0, rank, trainer_version=0)
+        buffer.take(0, rank, trainer_policy_version=0)
     snapshot = buffer.snapshot()
     restored = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
     restored.restore(snapshot)
-    shares = [restored.take(1, rank, trainer_version=0) for rank in range(2)]
+    shares = [restored.take(1, rank, trainer_policy_version=0) for rank in range(2)]
     assert sorted(g.tokens for share in shares for g in share.groups) == [50, 60, 70, 80]
     assert sorted(sum(g.tokens for g in share.groups) for share in shares) == [130, 130]
 
@@ -142,4 +145,7 @@ def test_costs_survive_a_snapshot_and_old_snapshots_restore_without_them():
     )
     legacy = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
     legacy.restore(old)
-    assert [names(legacy.take(1, rank, trainer_version=0)) for rank in range(2)] == [["A:4", "A:5"], ["B:0", "B:1"]]
+    assert [names(legacy.take(1, rank, trainer_policy_version=0)) for rank in range(2)] == [
+        ["A:4", "A:5"],
+        ["B:0", "B:1"],
+    ]

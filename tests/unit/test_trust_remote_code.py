@@ -13,7 +13,7 @@ import torch
 
 from colossal_rl.config import EMBEDDED_MODEL_DIR, ModelConfig, RLConfig
 from colossal_rl.rollout.producer import Producer
-from colossal_rl.training.checkpointing import export_hf
+from colossal_rl.training.trainer_state import export_hf
 
 CONFIGURATION = """from transformers import Qwen2Config
 

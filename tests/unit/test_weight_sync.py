@@ -212,7 +212,7 @@ def test_receiver_refuses_a_version_that_does_not_increase_and_stays_in_step():
     def send(group):
         sender = WeightSender(group, layout, bucket_bytes=512)
         sender.send(mixed_state_dict(seed=1), 5)
-        sender.last_version = None  # a sender that forgot its history sends an old version
+        sender.last_policy_version = None  # a sender that forgot its history sends an old version
         sender.send(mixed_state_dict(seed=2), 4)
         sender.send(mixed_state_dict(seed=3), 6)
 
@@ -246,7 +246,7 @@ def test_receiver_refuses_a_sync_with_another_plan_checksum_and_stays_in_step():
         receiver = WeightReceiver(group, layout, bucket_bytes=512)
         with pytest.raises(RuntimeError, match=rf"plan checksum is {receiver.checksum ^ 1}, not {receiver.checksum}"):
             receiver.receive()
-        assert receiver.last_version is None  # the refused sync is not taken
+        assert receiver.last_policy_version is None  # the refused sync is not taken
         version, tensors = receiver.receive()
         return version, {name: t.clone() for name, t in tensors.items()}
 

@@ -28,7 +28,7 @@ def ensure_process_group() -> None:
     """ColossalAI's CPU launch (gloo, its CPU patches) with world size 1, once per process."""
     if dist.is_initialized():
         return
-    from colossal_rl.training.plugins import launch_colossalai
+    from colossal_rl.training.booster_plugins import launch_colossalai
 
     launch_colossalai(0, 1, "127.0.0.1", _free_port(), on_cpu=True)
 

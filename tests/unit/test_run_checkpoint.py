@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from colossal_rl import checkpoint as ckpt
+from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import RLConfig, ScheduleConfig
 from colossal_rl.run_outputs import OutputDirError, prepare_eval_dir, write_eval_generations
@@ -15,12 +15,14 @@ from colossal_rl.run_outputs import OutputDirError, prepare_eval_dir, write_eval
 
 def state(step: int, run_dir: str = "run") -> ckpt.RunState:
     return ckpt.RunState(
-        step=step,
-        next_round=step,
-        policy_version=step,
-        dropped_stale_groups=0,
-        next_eval_step=20,
-        eval_accuracy_before={"math": 0.2},
+        progress=ckpt.RunProgress(
+            step=step,
+            next_round=step,
+            policy_version=step,
+            dropped_stale_groups=0,
+            next_eval_step=20,
+            eval_accuracy_before={"math": 0.2},
+        ),
         run_dir=run_dir,
         config={"schedule": {"n_behind": 1}},
         pending_rollout_metrics={"3": [{"rollout/reward": 0.5}]},
@@ -74,6 +76,22 @@ def test_prune_keeps_the_newest_and_resolve_accepts_run_checkpoints_or_checkpoin
     assert ckpt.prune(checkpoints, keep=0) == []
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
         ckpt.resolve(tmp_path / "elsewhere")
+
+
+def test_state_file_stays_flat_and_a_file_written_before_run_progress_loads(tmp_path):
+    checkpoint = save(tmp_path / "checkpoints", 4)
+    on_disk = json.loads((checkpoint / ckpt.STATE_FILE).read_text())
+    assert on_disk["step"] == 4 and on_disk["eval_accuracy_before"] == {"math": 0.2} and "progress" not in on_disk
+    earlier = {  # a state.json as the driver wrote it before the counters became one object
+        "step": 6, "next_round": 3, "policy_version": 3, "dropped_stale_groups": 1, "next_eval_step": 10,
+        "eval_accuracy_before": {}, "run_dir": "run", "config": {}, "pending_rollout_metrics": {},
+    }  # fmt: skip
+    (checkpoint / ckpt.STATE_FILE).write_text(json.dumps(earlier))
+    loaded = ckpt.load_state(checkpoint)
+    assert loaded.progress == ckpt.RunProgress(6, 3, 3, 1, 10, {}) and loaded.step == 6
+    (checkpoint / ckpt.STATE_FILE).write_text(json.dumps({**earlier, "stepp": 1}))
+    with pytest.raises(ckpt.CheckpointError, match="unknown keys"):
+        ckpt.load_state(checkpoint)
 
 
 def test_unreadable_state_names_the_file(tmp_path):

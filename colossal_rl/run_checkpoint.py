@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -64,23 +64,53 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or does not fit the run; the message names the path."""
 
 
+@dataclass
+class RunProgress:
+    """The driver's counters: where a run is. Held by the driver as one object, saved and restored whole."""
+
+    step: int = 0
+    """Optimizer steps taken (every trainer rank took exactly this many)."""
+    next_round: int = 0
+    """First round not trained yet: also every producer's sampler position."""
+    policy_version: int = 0
+    """Weights version the trainers hold and last pushed to the producers."""
+    dropped_stale_groups: int = 0
+    next_eval_step: int = 0
+    eval_accuracy_before: dict[str, float] | None = None
+    """The untrained policy's eval accuracy per task; None until measured (a resumed run has it)."""
+
+
 @dataclass(frozen=True)
 class RunState:
-    """The driver's counters after a round: all a resume needs besides trainer state and buffer."""
+    """What ``state.json`` holds: the counters, and what a resume checks and re-queues besides the trainer
+    state and the buffer."""
 
-    step: int
-    """Optimizer steps taken (every trainer rank took exactly this many)."""
-    next_round: int
-    """First round not trained yet: also every producer's sampler position."""
-    policy_version: int
-    """Weights version the trainers hold and last pushed to the producers."""
-    dropped_stale_groups: int
-    next_eval_step: int
-    eval_accuracy_before: dict[str, float]
+    progress: RunProgress
     run_dir: str
     config: dict[str, Any] = field(default_factory=dict)
     pending_rollout_metrics: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Per round generated but not trained yet: each producer's rollout metrics (logged when trained)."""
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    def to_json(self) -> dict[str, Any]:
+        """Flat, as every earlier ``state.json``: the counters beside the other keys."""
+        progress = asdict(self.progress)
+        progress["eval_accuracy_before"] = progress["eval_accuracy_before"] or {}
+        return {**progress, "run_dir": self.run_dir, "config": self.config,
+                "pending_rollout_metrics": self.pending_rollout_metrics}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunState:
+        counters = {f.name for f in fields(RunProgress)}
+        unknown = set(data) - counters - {"run_dir", "config", "pending_rollout_metrics"}
+        if unknown:
+            raise TypeError(f"unknown keys {sorted(unknown)}")
+        progress = RunProgress(**{key: value for key, value in data.items() if key in counters})
+        return cls(progress=progress, run_dir=data["run_dir"], config=data.get("config", {}),
+                   pending_rollout_metrics=data.get("pending_rollout_metrics", {}))  # fmt: skip
 
 
 def checkpoint_name(step: int) -> str:
@@ -101,7 +131,7 @@ def commit(staging: Path, state: RunState, buffer: BufferSnapshot) -> Path:
     import torch  # here, not at import: the driver imports torch only when it checkpoints
 
     torch.save(buffer, staging / BUFFER_FILE)
-    (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, sort_keys=True), encoding="utf-8")
+    (staging / STATE_FILE).write_text(json.dumps(state.to_json(), indent=1, sort_keys=True), encoding="utf-8")
     final = staging.parent / checkpoint_name(state.step)
     if final.exists():  # the same step saved again (e.g. a resumed run re-reaching it): replace it whole
         shutil.rmtree(final)
@@ -151,8 +181,8 @@ def resolve(path: str | Path) -> Path:
 def load_state(checkpoint: Path) -> RunState:
     path = Path(checkpoint) / STATE_FILE
     try:
-        return RunState(**json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError) as error:
+        return RunState.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, KeyError) as error:
         raise CheckpointError(f"{path}: unreadable run state ({error})") from None
 
 

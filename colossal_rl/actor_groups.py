@@ -1,0 +1,187 @@
+"""The driver's view of its actors: one group of producers, one of trainers, and waiting on their calls.
+
+A group's methods are the remote calls the driver makes, each named once here, and each returns
+:data:`Calls`: ``(who, ref)`` pairs that :func:`gather` waits for — always with a timeout, failing
+fast with a message that names the actors that failed or hung. Torch-free: the driver imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import ray
+
+Calls = list[tuple[str, "ray.ObjectRef"]]
+"""Remote calls in flight, each with a name for messages (``"trainer 1 (train_round)"``)."""
+
+
+class RunFailed(RuntimeError):
+    """The run stopped because an actor failed or did not answer in time; the message names it."""
+
+
+def _last_line(error: BaseException) -> str:
+    """The final line of a (possibly remote) exception: the error itself, without the traceback wall."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _failure(name: str, ref: ray.ObjectRef) -> tuple[bool, str] | None:
+    """(actor died?, message) if ``ref`` (ready) holds an error, else None."""
+    try:
+        ray.get(ref)
+    except ray.exceptions.ActorDiedError as error:
+        return True, f"{name} died: {_last_line(error)}"
+    except Exception as error:
+        return False, f"{name} failed: {_last_line(error)}"
+    return None
+
+
+def gather(calls: Calls, timeout_s: float, settle_s: float = 3.0) -> list:
+    """Results of the calls in order; raises :class:`RunFailed` naming the actors that failed or hung.
+
+    Fails fast: the first failure ends the wait, even while other actors are still blocked (e.g. a
+    trainer waiting for rollouts from the producer that just died). Failures that follow within
+    ``settle_s`` are reported too, dead actors first: they are the cause, their peers the symptom.
+    """
+    names = {ref: name for name, ref in calls}
+    pending = list(names)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = [names[ref] for ref in pending]
+            raise RunFailed(f"no answer within {timeout_s:.0f}s from: {', '.join(late)}")
+        first = _failure(names[ready[0]], ready[0])
+        if first is not None:
+            more, _ = ray.wait(pending, num_returns=len(pending), timeout=settle_s) if pending else ([], [])
+            failures = [first] + [f for f in (_failure(names[ref], ref) for ref in more) if f is not None]
+            failures.sort(key=lambda failure: not failure[0])
+            raise RunFailed("; ".join(message for _, message in failures))
+    return ray.get([ref for _, ref in calls])
+
+
+class ActorGroup:
+    """Actors of one kind, by rank."""
+
+    kind = "actor"
+
+    def __init__(self, actors: Sequence[Any]):
+        self.actors = list(actors)
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.actors)
+
+    def __getitem__(self, rank: int) -> Any:
+        return self.actors[rank]
+
+    @property
+    def names(self) -> list[str]:
+        return [f"{self.kind} {rank}" for rank in range(len(self.actors))]
+
+    def _each(self, label: str, call: Callable[[Any], ray.ObjectRef], ranks: Sequence[int] | None = None) -> Calls:
+        """``call(actor)`` on every actor (or on ``ranks``), each named for messages."""
+        ranks = range(len(self.actors)) if ranks is None else ranks
+        return [(f"{self.kind} {rank} ({label})", call(self.actors[rank])) for rank in ranks]
+
+    def drain_phases(self) -> Calls:
+        return self._each("drain_phases", lambda actor: actor.drain_phases.remote())
+
+    def shutdown(self) -> list[ray.ObjectRef]:
+        return [actor.shutdown.remote() for actor in self.actors]
+
+
+class ProducerGroup(ActorGroup):
+    kind = "producer"
+
+    def ready(self) -> Calls:
+        return self._each("ready", lambda actor: actor.ready.remote())
+
+    def join_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> Calls:
+        return self._each("join_weight_sync", lambda actor: actor.join_weight_sync.remote(stage_addresses, world_size))
+
+    def produce(self, round_index: int, buffer) -> Calls:
+        return self._each("produce", lambda actor: actor.produce.remote(round_index, buffer))
+
+    def receive_weights(self, policy_version: int) -> Calls:
+        return self._each("receive_weights", lambda actor: actor.receive_weights.remote(policy_version))
+
+    def evaluate(self) -> Calls:
+        return self._each("evaluate", lambda actor: actor.evaluate.remote())
+
+
+class TrainerGroup(ActorGroup):
+    kind = "trainer"
+
+    def setup(self) -> Calls:
+        return self._each("setup", lambda actor: actor.setup.remote())
+
+    def weight_sync_address(self, ranks: Sequence[int]) -> Calls:
+        return self._each("weight_sync_address", lambda actor: actor.weight_sync_address.remote(), ranks)
+
+    def setup_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> Calls:
+        return self._each(
+            "setup_weight_sync", lambda actor: actor.setup_weight_sync.remote(stage_addresses, world_size)
+        )
+
+    def set_total_steps(self, total_steps: int) -> Calls:
+        return self._each("set_total_steps", lambda actor: actor.set_total_steps.remote(total_steps))
+
+    def train_round(self, round_index: int, buffer, sample_step: int | None) -> Calls:
+        return self._each("train_round", lambda actor: actor.train_round.remote(round_index, buffer, sample_step))
+
+    def push_weights(self, policy_version: int) -> Calls:
+        return self._each("push_weights", lambda actor: actor.push_weights.remote(policy_version))
+
+    def save_checkpoint(self, directory: str) -> Calls:
+        return self._each("save_checkpoint", lambda actor: actor.save_checkpoint.remote(directory))
+
+    def load_checkpoint(self, directory: str, policy_version: int) -> Calls:
+        return self._each("load_checkpoint", lambda actor: actor.load_checkpoint.remote(directory, policy_version))
+
+    def export_model(self, directory: str) -> Calls:
+        return self._each("export_model", lambda actor: actor.export_model.remote(directory))
+
+
+def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
+    """Create the run's buffer, producers and trainers where the placement puts them (not waiting for them)."""
+    from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor, free_port
+    from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port
+
+    sched, par = config.schedule, config.parallel
+    producer_threads, trainer_threads = threads_per_actor(
+        os.cpu_count() or 1, sched.num_producers, par.num_trainers, config.run.producer_threads,
+        config.run.trainer_threads,
+    )  # fmt: skip
+    buffer = BufferActor.remote(
+        num_producers=sched.num_producers,
+        dp_size=par.dp_size,
+        groups_per_step=config.train.batch_size,
+        n_behind=sched.n_behind,
+        takers_per_rank=par.tp_size * par.pp_size,
+    )
+    master_port = trainer_master_port(
+        config.run.master_port, joins_cluster=config.run.master_address is not None, free_port=free_port
+    )
+    placement = actor_options(
+        ray.nodes(),
+        num_producers=sched.num_producers,
+        producer_gpus=config.generation.tensor_parallel_size,
+        num_trainers=par.num_trainers,
+    )
+    trainers = TrainerGroup(
+        TrainerActor.options(**placement.trainers[rank]).remote(
+            rank, par.num_trainers, config, placement.trainer_master_address, master_port, trainer_threads
+        )
+        for rank in range(par.num_trainers)
+    )
+    producers = ProducerGroup(
+        ProducerActor.options(**placement.producers[rank]).remote(rank, config, producer_threads)
+        for rank in range(sched.num_producers)
+    )
+    return buffer, producers, trainers

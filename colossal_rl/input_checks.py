@@ -1,0 +1,76 @@
+"""What a run reads, checked before Ray starts, so that a mistake costs seconds and one line naming it.
+
+Datasets parse (each row with what the reward needs), the model is a local directory or a hub name that
+is cached or reachable, and a ``--reward-fn`` plug-in loads and scores one row. The training set is read
+here once; its size is what the driver plans its rounds with. Torch-free: the driver runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from colossal_rl.config import RLConfig
+
+
+class InputError(ValueError):
+    """A model, dataset or reward plug-in the run cannot use; the message names the flag or file."""
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    train_rows: int
+    """Rows of the training source (before over-long prompts are left out by the producers' tokenizer)."""
+
+
+def check_inputs(config: RLConfig) -> CheckedInputs:
+    """Raise :class:`InputError` (or ``data_sources.DataError`` naming file and line) for the first bad input."""
+    from colossal_rl.data_sources import RowKeys, load_prompt_rows
+
+    keys = RowKeys.for_config(config)
+    train_rows = load_prompt_rows(config.data.train_path, keys)
+    for _, path in config.data.eval_paths:
+        load_prompt_rows(path, keys)
+    check_model(config.model.path)
+    if config.reward.reward_fn is not None:
+        check_reward_plugin(config.reward.reward_fn, train_rows[0], config.data.train_path)
+    return CheckedInputs(train_rows=len(train_rows))
+
+
+def check_model(model: str) -> None:
+    """A local directory with a config.json, or a hub name in the local cache or on a reachable hub."""
+    looks_local = model.startswith((".", "/", "~")) or Path(model).exists() or model.count("/") != 1
+    if looks_local:
+        if not (Path(model).expanduser() / "config.json").is_file():
+            raise InputError(f"-m/--model: no model directory with a config.json at {model!r}")
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    from colossal_rl.data_sources import hub_reachable
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return  # cached: loads offline
+    if not hub_reachable():
+        raise InputError(
+            f"-m/--model: {model!r} is not a local directory, not in the Hugging Face cache, and the hub is not "
+            "reachable (download it where there is network, or give a local path)"
+        )
+
+
+def check_reward_plugin(spec: str, row: dict, source: str) -> None:
+    """The plug-in loads, has the right signature, and scores one training row (an empty response) without
+    raising: the user's own code, checked here so a mistake costs seconds instead of a run of infra errors."""
+    from colossal_rl.reward.records import record_from_plugin_value
+    from colossal_rl.reward.user_functions import RewardConfigError, load_reward_fn
+
+    try:
+        function = load_reward_fn(spec)
+    except RewardConfigError as error:
+        raise InputError(f"--reward-fn: {error}") from None
+    try:
+        record_from_plugin_value(function("", row))
+    except Exception as error:  # whatever the user's code raises, named in one line
+        raise InputError(
+            f"--reward-fn {spec!r}: scoring an empty response to the first row of {source} raised "
+            f"{type(error).__name__}: {error}"
+        ) from None

@@ -1,0 +1,93 @@
+"""Saving a whole run from the driver, and putting it back: trainer shards, the buffer, rollouts in flight.
+
+The on-disk layout and atomic commit are :mod:`colossal_rl.run_checkpoint`'s; this module gathers what
+goes in (every trainer rank writes its shards, the buffer's snapshot, the rollouts already asked for) and
+hands it back on resume. The driver's counters travel as one :class:`RunProgress`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import ray
+
+from colossal_rl import run_checkpoint as ckpt
+from colossal_rl.actor_groups import Calls, TrainerGroup, gather
+from colossal_rl.config import RLConfig
+from colossal_rl.run_checkpoint import RunProgress
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def config_as_json(config: RLConfig) -> dict:
+    """The config as ``state.json`` stores it (tuples as lists), for saving and for comparing on resume."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def save_run(
+    *,
+    run_dir: Path,
+    config: RLConfig,
+    progress: RunProgress,
+    trainers: TrainerGroup,
+    buffer,
+    pending_produce: dict[int, Calls],
+    timeout_s: float,
+) -> Path:
+    """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters."""
+    staging = ckpt.staging_dir(checkpoints_dir(run_dir), progress.step)
+    # Rollouts already asked for are part of the state: wait for them and store them.
+    pending_metrics = {str(r): gather(calls, timeout_s) for r, calls in pending_produce.items()}
+    snapshot = ray.get(buffer.snapshot.remote(), timeout=timeout_s)
+    snapshot = snapshot.with_payloads(lambda ref: ray.get(ref, timeout=timeout_s))
+    gather(trainers.save_checkpoint(str(staging)), timeout_s)
+    state = ckpt.RunState(
+        progress=dataclasses.replace(progress),
+        run_dir=str(run_dir),
+        config=config_as_json(config),
+        pending_rollout_metrics=pending_metrics,
+    )
+    final = ckpt.commit(staging, state, snapshot)
+    ckpt.prune(checkpoints_dir(run_dir), config.run.save_limit)
+    return final
+
+
+def restore_run(
+    checkpoint: Path, *, trainers: TrainerGroup, buffer, timeout_s: float
+) -> tuple[RunProgress, dict[int, Calls]]:
+    """Load ``checkpoint`` into the trainers and the buffer; returns the counters and, per round generated but
+    not trained when it was saved, each producer's rollout metrics (as already-finished calls)."""
+    state = ckpt.load_state(checkpoint)
+    progress = state.progress
+    steps = gather(trainers.load_checkpoint(str(checkpoint), progress.policy_version), timeout_s)
+    if any(step != progress.step for step in steps):
+        raise ckpt.CheckpointError(f"{checkpoint}: trainer steps {steps} disagree with the run state ({progress.step})")
+    snapshot = ckpt.load_buffer(checkpoint).with_payloads(ray.put)
+    ray.get(buffer.restore.remote(snapshot), timeout=timeout_s)
+    pending = {
+        int(r): [(f"producer {rank} (restored)", ray.put(m)) for rank, m in enumerate(metrics)]
+        for r, metrics in state.pending_rollout_metrics.items()
+    }
+    logger.info("resumed from %s at step %d (round %d)", checkpoint, progress.step, progress.next_round)
+    return progress, pending
+
+
+def checkpoint_to_resume(config: RLConfig) -> Path | None:
+    """The checkpoint ``-cp`` names, checked against this run's config (fields that must not change)."""
+    if config.run.checkpoint_path is None:
+        return None
+    checkpoint = ckpt.resolve(config.run.checkpoint_path)
+    saved = ckpt.load_state(checkpoint)
+    mismatches = ckpt.resume_mismatches(saved.config, config_as_json(config))
+    if mismatches:
+        raise ckpt.CheckpointError(
+            f"{checkpoint}: cannot resume with a different " + "; ".join(mismatches) + " (use the saved values)"
+        )
+    return checkpoint
