@@ -11,24 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from PIL import Image
+from png_checks import PLOT_CURVES, assert_pngs
 
 from colossal_rl.metrics import MetricsLogger, read_metrics
 from colossal_rl.plot import FIGURES, Figure, figure_series, main, metric_names, series
 from colossal_rl.profiling import Span, append_spans
 
 REPO = Path(__file__).resolve().parents[2]
-CURVES = {"reward", "accuracy", "eval_accuracy", "response_length", "kl"}
-
-
-def assert_pngs(out_dir: Path, stems: set[str]) -> None:
-    assert {path.stem for path in out_dir.glob("*.png")} == stems
-    for stem in stems:
-        path = out_dir / f"{stem}.png"
-        assert path.stat().st_size > 0
-        with Image.open(path) as image:
-            assert image.format == "PNG" and image.size[0] > 0 and image.size[1] > 0
-            image.verify()
+CURVES = PLOT_CURVES
 
 
 def write_run(run_dir: Path, *, profiled: bool = True) -> Path:
@@ -106,24 +96,3 @@ def test_module_command_in_a_subprocess(tmp_path):
     missing = tmp_path / "not-a-run"
     done = subprocess.run([sys.executable, "-m", "colossal_rl.plot", str(missing)], capture_output=True, text=True)
     assert done.returncode == 2 and str(missing / "metrics.jsonl") in done.stderr
-
-
-# ---------------------------------------------------------------------- a real run
-@pytest.mark.slow
-@pytest.mark.dist
-def test_plots_of_a_real_profiled_run(tmp_path):
-    save_dir = tmp_path / "runs"
-    run = [
-        sys.executable, str(REPO / "rl_example.py"), "--no-wandb", "--max-steps", "2", "-ibs", "4", "-imbs", "4",
-        "-tbs", "4", "-tMbs", "4", "-tmbs", "8", "-g", "2", "-mnt", "8", "-kl", "0.01", "--enable_profiling",
-        "--timeout", "120", "-sd", str(save_dir),
-    ]  # fmt: skip
-    done = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = [path for path in save_dir.iterdir() if path.is_dir()]
-
-    done = subprocess.run([sys.executable, "-m", "colossal_rl.plot", str(run_dir)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    records = read_metrics(run_dir / "metrics.jsonl")
-    entropy = {"entropy"} if series(records, "train/entropy")[0] else set()
-    assert_pngs(run_dir / "plots", CURVES | entropy | {"profile_timeline"})
