@@ -10,16 +10,41 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
-Calls = list[tuple[str, "ray.ObjectRef"]]
-"""Remote calls in flight, each with a name for messages (``"trainer 1 (train_round)"``)."""
+
+class Call(NamedTuple):
+    """One remote call in flight: a name for messages (``"trainer 1 (train_round)"``), its result, and how to
+    make the same call again (on a restarted actor)."""
+
+    name: str
+    ref: ray.ObjectRef
+    redo: Callable[[], ray.ObjectRef] | None = None
+
+    @property
+    def actor(self) -> str:
+        """``"producer 1"`` of ``"producer 1 (produce)"``."""
+        return self.name.split(" (")[0]
+
+
+Calls = list[Call]
 
 
 class RunFailed(RuntimeError):
-    """The run stopped because an actor failed or did not answer in time; the message names it."""
+    """The run stopped because an actor failed or did not answer in time; the message names it.
+
+    ``outcomes``: for each call of the wait that failed, ``"died"`` (its actor's process is gone),
+    ``"restarted"`` (it reached a restarted producer not yet given its weights) or ``"failed"``."""
+
+    def __init__(self, message: str, outcomes: dict[str, str] | None = None):
+        super().__init__(message)
+        self.outcomes = outcomes or {}
+
+
+class ProducerRestarted(RuntimeError):
+    """A call reached a producer that Ray restarted after it died, before the driver gave it its weights back."""
 
 
 def _last_line(error: BaseException) -> str:
@@ -28,15 +53,21 @@ def _last_line(error: BaseException) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
-def _failure(name: str, ref: ray.ObjectRef) -> tuple[bool, str] | None:
-    """(actor died?, message) if ``ref`` (ready) holds an error, else None."""
+def call_outcome(ref: ray.ObjectRef) -> tuple[str, str | None]:
+    """(``"ok"``, None) or (``"died"`` / ``"restarted"`` / ``"failed"``, the error's last line) of a finished call."""
     try:
         ray.get(ref)
-    except ray.exceptions.ActorDiedError as error:
-        return True, f"{name} died: {_last_line(error)}"
+    except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as error:
+        return "died", _last_line(error)
+    except ProducerRestarted as error:
+        return "restarted", _last_line(error)
     except Exception as error:
-        return False, f"{name} failed: {_last_line(error)}"
-    return None
+        return "failed", _last_line(error)
+    return "ok", None
+
+
+def _message(name: str, outcome: str, detail: str | None) -> str:
+    return f"{name} {'died' if outcome == 'died' else 'failed'}: {detail}"
 
 
 def gather(calls: Calls, timeout_s: float, settle_s: float = 3.0) -> list:
@@ -46,7 +77,7 @@ def gather(calls: Calls, timeout_s: float, settle_s: float = 3.0) -> list:
     trainer waiting for rollouts from the producer that just died). Failures that follow within
     ``settle_s`` are reported too, dead actors first: they are the cause, their peers the symptom.
     """
-    names = {ref: name for name, ref in calls}
+    names = {call.ref: call.name for call in calls}
     pending = list(names)
     deadline = time.monotonic() + timeout_s
     while pending:
@@ -54,13 +85,14 @@ def gather(calls: Calls, timeout_s: float, settle_s: float = 3.0) -> list:
         if not ready:
             late = [names[ref] for ref in pending]
             raise RunFailed(f"no answer within {timeout_s:.0f}s from: {', '.join(late)}")
-        first = _failure(names[ready[0]], ready[0])
-        if first is not None:
+        first = call_outcome(ready[0])
+        if first[0] != "ok":
             more, _ = ray.wait(pending, num_returns=len(pending), timeout=settle_s) if pending else ([], [])
-            failures = [first] + [f for f in (_failure(names[ref], ref) for ref in more) if f is not None]
-            failures.sort(key=lambda failure: not failure[0])
-            raise RunFailed("; ".join(message for _, message in failures))
-    return ray.get([ref for _, ref in calls])
+            outcomes = {names[ready[0]]: first} | {names[ref]: call_outcome(ref) for ref in more}
+            failures = [(name, o, d) for name, (o, d) in outcomes.items() if o != "ok"]
+            failures.sort(key=lambda failure: failure[1] != "died")
+            raise RunFailed("; ".join(_message(*failure) for failure in failures), {name: o for name, o, _ in failures})
+    return ray.get([call.ref for call in calls])
 
 
 class ActorGroup:
@@ -87,7 +119,10 @@ class ActorGroup:
     def _each(self, label: str, call: Callable[[Any], ray.ObjectRef], ranks: Sequence[int] | None = None) -> Calls:
         """``call(actor)`` on every actor (or on ``ranks``), each named for messages."""
         ranks = range(len(self.actors)) if ranks is None else ranks
-        return [(f"{self.kind} {rank} ({label})", call(self.actors[rank])) for rank in ranks]
+        return [
+            Call(f"{self.kind} {rank} ({label})", call(self.actors[rank]), lambda rank=rank: call(self.actors[rank]))
+            for rank in ranks
+        ]
 
     def drain_phases(self) -> Calls:
         return self._each("drain_phases", lambda actor: actor.drain_phases.remote())
@@ -99,8 +134,14 @@ class ActorGroup:
 class ProducerGroup(ActorGroup):
     kind = "producer"
 
-    def ready(self) -> Calls:
-        return self._each("ready", lambda actor: actor.ready.remote())
+    def ready(self, ranks: Sequence[int] | None = None) -> Calls:
+        return self._each("ready", lambda actor: actor.ready.remote(), ranks)
+
+    def restore_weights(self, ranks: Sequence[int], policy_version: int, stage_weights: list) -> Calls:
+        """Give restarted producers the weights of ``policy_version`` (each sync stage's retained object)."""
+        return self._each(
+            "restore_weights", lambda actor: actor.restore_weights.remote(policy_version, *stage_weights), ranks
+        )
 
     def join_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> Calls:
         return self._each("join_weight_sync", lambda actor: actor.join_weight_sync.remote(stage_addresses, world_size))
@@ -124,9 +165,9 @@ class TrainerGroup(ActorGroup):
     def weight_sync_address(self, ranks: Sequence[int]) -> Calls:
         return self._each("weight_sync_address", lambda actor: actor.weight_sync_address.remote(), ranks)
 
-    def setup_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> Calls:
+    def setup_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int, retain: bool) -> Calls:
         return self._each(
-            "setup_weight_sync", lambda actor: actor.setup_weight_sync.remote(stage_addresses, world_size)
+            "setup_weight_sync", lambda actor: actor.setup_weight_sync.remote(stage_addresses, world_size, retain)
         )
 
     def set_total_steps(self, total_steps: int) -> Calls:
@@ -181,7 +222,11 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
         for rank in range(par.num_trainers)
     )
     producers = ProducerGroup(
-        ProducerActor.options(**placement.producers[rank]).remote(rank, config, producer_threads)
+        # A producer that dies is restarted by Ray (constructor again, same arguments); its calls in flight fail
+        # and the driver re-issues them once it has its weights back (launch.Driver._recover_producers).
+        ProducerActor.options(
+            **placement.producers[rank], max_restarts=config.run.max_actor_restarts, max_task_retries=0
+        ).remote(rank, config, producer_threads)
         for rank in range(sched.num_producers)
     )
     return buffer, producers, trainers

@@ -11,11 +11,13 @@ import logging
 import os
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
 
+from colossal_rl.actor_groups import ProducerRestarted
 from colossal_rl.comm.buffer import Assignment, BufferSnapshot, RoundBuffer
 from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
@@ -76,7 +78,13 @@ class BufferActor:
         num_groups: int,
         policy_version: int,
         group_tokens: tuple[int, ...] = (),
+        redelivery: bool = False,
     ) -> None:
+        """``redelivery``: from a restarted producer regenerating its rounds; a share already here is kept."""
+        if redelivery and self._buffer.has_delivery(round_index, producer_rank):
+            logger.info("buffer: producer %d's round %d is already here; its redelivery is dropped",
+                        producer_rank, round_index)  # fmt: skip
+            return
         self._buffer.put(
             round_index, producer_rank, payload[0] if payload else None, num_groups, policy_version, group_tokens
         )
@@ -162,6 +170,15 @@ class ProducerActor:
         self.config = config
         self.producer = Producer(rank, config, scorer)
         self.receivers = []
+        with warnings.catch_warnings():  # Ray 2.40 reads its own deprecated actor_id inside this property
+            warnings.simplefilter("ignore")
+            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        """Ray restarted this producer after it died: it holds the base weights until ``restore_weights``."""
+        self.awaiting_weights = self.restarted
+
+    def _check_weights(self) -> None:
+        if self.awaiting_weights:
+            raise ProducerRestarted(f"producer {self.rank} was restarted and has not been given its weights yet")
 
     def ready(self) -> dict:
         """Who and where this producer is, and its start-up phases (``colossal_rl.startup``)."""
@@ -170,6 +187,7 @@ class ProducerActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "train_rows": len(self.producer.train_data),
+            "restarted": self.restarted,
             "dropped_overlong": self.producer.train_data.dropped_overlong,
             "startup": self.startup.drain() + self.producer.startup.drain(),
         }
@@ -179,6 +197,8 @@ class ProducerActor:
         from colossal_rl.comm.process_group import default_device
         from colossal_rl.comm.weight_sync import join_as_receiver, stage_group_name
 
+        for receiver in self.receivers:  # a group formed again (after a producer restarted) replaces the old one
+            receiver.close()
         # On GPUs the weights arrive over NCCL into this actor's GPU; on CPU over gloo.
         self.receivers = [
             join_as_receiver(
@@ -197,31 +217,46 @@ class ProducerActor:
     def receive_weights(self, policy_version: int) -> None:
         from colossal_rl.comm.weight_sync import receive_stages
 
+        self._check_weights()
         with self.producer.phases.record("sync"):
             received_version, tensors = receive_stages(self.receivers)
             if received_version != policy_version:
                 raise RuntimeError(
                     f"producer {self.rank}: expected weights version {policy_version}, got {received_version}"
                 )
-            self.producer.load_weights(received_version, tensors)
+            if received_version != self.producer.policy_version:  # equal: a sync repeated after a restart
+                self.producer.load_weights(received_version, tensors)
+
+    def restore_weights(self, policy_version: int, *stage_weights: dict[str, torch.Tensor]) -> None:
+        """After a restart: load ``policy_version``'s weights (every sync stage's part, from the object store)."""
+        named_tensors = {name: tensor for part in stage_weights for name, tensor in part.items()}
+        if policy_version != self.producer.policy_version:  # equal: version 0, the base weights it loaded
+            with self.producer.phases.record("sync"):
+                self.producer.load_weights(policy_version, named_tensors)
+        self.awaiting_weights = False
 
     def produce(self, round_index: int, buffer) -> dict[str, float]:
         from colossal_rl.comm.token_balance import group_token_costs
 
+        self._check_weights()
         batch, metrics = self.producer.produce(round_index)
         with self.producer.phases.record("put"):
-            payload = [ray.put(batch)] if batch is not None else []
+            # Owned by the buffer: the rollouts outlive this producer if it dies before they are trained.
+            payload = [ray.put(batch, _owner=buffer)] if batch is not None else []
             groups = batch.num_groups if batch is not None else 0
             shared_prompt = self.config.sequence_layout == "shared_prompt"
             costs = tuple(group_token_costs(batch, shared_prompt=shared_prompt)) if batch is not None else ()
             ray.get(
-                buffer.put.remote(round_index, self.rank, payload, groups, self.producer.policy_version, costs),
+                buffer.put.remote(
+                    round_index, self.rank, payload, groups, self.producer.policy_version, costs, self.restarted
+                ),
                 timeout=self.config.run.timeout_s,
             )
         metrics["rollout/policy_version"] = self.producer.policy_version
         return metrics
 
     def evaluate(self):
+        self._check_weights()
         with self.producer.phases.record("eval"):
             return self.producer.evaluate(self.config.schedule.num_producers)
 
@@ -263,8 +298,11 @@ class TrainerActor:
     def weight_sync_address(self) -> tuple[str, int]:
         return node_address(), free_port()
 
-    def setup_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> None:
-        """Every rank takes part in gathering the weights; each pipeline stage's sender hosts that stage's group."""
+    def setup_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int, retain: bool = True) -> list:
+        """Every rank takes part in gathering the weights; each pipeline stage's sender hosts that stage's group.
+
+        Formed again after a producer restarted (the old group is closed first). Returns :meth:`_retain`'s
+        copy of the weights held now when ``retain``."""
         from colossal_rl.comm.process_group import default_device
         from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
 
@@ -273,6 +311,9 @@ class TrainerActor:
             raise RuntimeError(
                 f"trainer {self.trainer.rank}: sync stage {stage} but holds weights: {state is not None}"
             )
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
         if state is not None:
             host, port = stage_addresses[stage]
             self.sender = host_as_sender(
@@ -285,6 +326,16 @@ class TrainerActor:
                 name=stage_group_name(stage),
                 device=default_device(),
             )
+        return self._retain(state) if retain else []
+
+    def _retain(self, state: dict[str, torch.Tensor] | None) -> list:
+        """This sync stage's weights as an object-store copy (in a list, so the driver gets the reference): the
+        driver keeps the latest synced version's until the next sync completes, to give a restarted producer
+        exactly the weights its lost rounds were generated with. Only with elastic producers
+        (``--max-actor-restarts`` > 0): it costs one host copy of the weights per sync stage."""
+        if state is None or self.config.run.max_actor_restarts == 0:
+            return []
+        return [ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})]
 
     def train_round(self, round_index: int, buffer, sample_step: int | None = None) -> dict:
         """Train every step the buffer deals this rank for ``round_index``.
@@ -323,12 +374,15 @@ class TrainerActor:
     def set_total_steps(self, total_steps: int) -> None:
         self.trainer.set_total_steps(total_steps)
 
-    def push_weights(self, policy_version: int) -> None:
+    def push_weights(self, policy_version: int) -> list:
+        """Send the weights as ``policy_version``; returns :meth:`_retain`'s copy of them."""
         with self.trainer.phases.record("sync"):
             state = self.trainer.stage_state_dict()
             if self.sender is not None:
                 self.sender.send(state, policy_version)
+            retained = self._retain(state)
         self.trainer.policy_version = policy_version
+        return retained
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.trainer.full_state_dict()

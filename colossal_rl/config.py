@@ -407,6 +407,9 @@ class RunConfig:
     """Seed of model sampling and training."""
     timeout_s: float = 600.0
     """Upper bound of any single wait (collective, buffer, actor call) before the run is failed."""
+    max_actor_restarts: int = 2
+    """Times each producer may die and be restarted (it rejoins the weight sync at the current version and its lost
+    rollouts are regenerated exactly); 0: a dead producer ends the run. A dead trainer always ends the run."""
     ray_dir: str | None = None
     """Ray temporary directory."""
     master_address: str | None = None
@@ -431,6 +434,7 @@ class RunConfig:
         _require(self.save_limit >= 0, "run.save_limit", "must be >= 0")
         _require(self.log_rollout_interval >= 0, "run.log_rollout_interval", "must be >= 0")
         _require(self.timeout_s > 0, "run.timeout_s", "must be > 0")
+        _require(self.max_actor_restarts >= 0, "run.max_actor_restarts", "must be >= 0")
         _require(
             self.weight_sync_backend in ("torch", "ray_nccl"),
             "run.weight_sync_backend",

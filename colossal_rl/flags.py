@@ -147,6 +147,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-cp", "--checkpoint-path"), "run.checkpoint_path"),
     Flag(("--seed",), "run.seed"),
     Flag(("--timeout",), "run.timeout_s"),
+    Flag(("--max-actor-restarts",), "run.max_actor_restarts"),
     Flag(("--producer-threads",), "run.producer_threads"),
     Flag(("--trainer-threads",), "run.trainer_threads"),
     Flag(("--weight-sync-backend",), "run.weight_sync_backend"),

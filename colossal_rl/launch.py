@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import ray
 from tqdm import tqdm
 
 from colossal_rl import run_checkpoint as ckpt
-from colossal_rl.actor_groups import Calls, RunFailed, gather, spawn_actors
+from colossal_rl.actor_groups import Call, Calls, RunFailed, call_outcome, gather, spawn_actors
 from colossal_rl.comm.sync_stages import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
@@ -59,6 +60,24 @@ class RunSummary:
     dropped_stale_groups: int
     final_model_dir: str | None = None
     """The trained policy as a Hugging Face model (``run.final_export``), None when not exported."""
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to continue a run after a failure the driver cannot repair: the exact command, from its newest checkpoint."""
+    found = ckpt.complete_checkpoints(checkpoints_dir(run_dir))
+    if not found:
+        return "no checkpoint was saved to resume from (-si/--save-interval 0)"
+    return f"resume with: python rl_example.py --config {Path(run_dir) / CONFIG_FILE} -cp {found[-1]}"
+
+
+def _redo_lost(calls: Calls) -> Calls:
+    """The calls, each one that finished with an error made again (on the restarted actor)."""
+
+    def lost(call: Call) -> bool:
+        ready, _ = ray.wait([call.ref], timeout=0)
+        return call.redo is not None and bool(ready) and call_outcome(call.ref)[0] != "ok"
+
+    return [Call(c.name, c.redo(), c.redo) if lost(c) else c for c in calls]
 
 
 def init_ray(config: RLConfig) -> None:
@@ -122,6 +141,14 @@ class Driver:
         self.timeout = config.run.timeout_s
         self.buffer, self.producers, self.trainers = spawn_actors(config)
         self.progress = RunProgress()
+        self.sync_senders: list[int] = []
+        """Trainer ranks that send the weights, one per pipeline stage."""
+        self.sync_group_stale = False
+        """A producer restarted since the weight-sync group was formed: form it again before the next sync."""
+        self.retained_weights: list = []
+        """Object-store copies (one per sync stage) of the last synced version's weights: a restarted producer's."""
+        self.producer_pids: list[int | None] = [None] * len(self.producers)
+        self.producer_restarts = [0] * len(self.producers)
         self.last_saved_step = 0
         self.final_model_dir: Path | None = None
         self.eval_before_calls: Calls | None = None
@@ -143,6 +170,7 @@ class Driver:
         if len(train_rows) != 1:
             raise RunFailed(f"producers loaded different numbers of training prompts: {sorted(train_rows)}")
         (self.train_rows,) = train_rows
+        self.producer_pids = [info["pid"] for info in ready[: len(self.producers)]]
         dropped = ready[0]["dropped_overlong"]
         self.metrics.log("data", 0, {"data/train_prompts": self.train_rows, "data/dropped_overlong_prompts": dropped})
         for name, info in zip(self.producers.names + self.trainers.names, ready, strict=True):
@@ -155,21 +183,132 @@ class Driver:
                 )
                 self.last_saved_step = self.progress.step
         sync_started = time.time()
-        senders = stage_senders([info["sync_stage"] for info in ready[len(self.producers) :]])
-        addresses = gather(self.trainers.weight_sync_address(senders), self.timeout)
-        world = 1 + len(self.producers)
-        gather(
-            self.trainers.setup_weight_sync(addresses, world) + self.producers.join_weight_sync(addresses, world),
-            self.timeout,
-        )
+        self.sync_senders = stage_senders([info["sync_stage"] for info in ready[len(self.producers) :]])
+        self._form_weight_sync(retain=resume_from is None)
         if resume_from is not None:
             self._sync_weights(self.progress.policy_version)
         self.startup.add("weight sync", sync_started, time.time())
         logger.info("actors ready in %.1fs", time.perf_counter() - started)
 
+    def _form_weight_sync(self, *, retain: bool) -> None:
+        """(Re)form every pipeline stage's weight-sync group: its sender trainer hosts it, every producer joins.
+        ``retain``: keep the senders' copy of the weights they hold (the current version's)."""
+        addresses = gather(self.trainers.weight_sync_address(self.sync_senders), self.timeout)
+        world = 1 + len(self.producers)
+        results = gather(
+            self.trainers.setup_weight_sync(addresses, world, retain)
+            + self.producers.join_weight_sync(addresses, world),
+            self.timeout,
+        )
+        if retain:
+            self.retained_weights = [ref for refs in results[: len(self.trainers)] for ref in refs]
+        self.sync_group_stale = False
+
+    # ------------------------------------------------------------------ waiting, and surviving producer restarts
+    def _gather(self, calls: Calls | Callable[[], Calls]) -> list:
+        """The calls' results, surviving producer deaths while ``--max-actor-restarts`` allows.
+
+        A producer that died is restarted by Ray; here it gets back the weights of the last completed sync
+        and the calls it lost are made again: its rounds are regenerated exactly (rows and sampling are
+        functions of seed, round and producer). ``calls`` as a function: one weight sync, made again whole
+        on a newly formed group. A dead trainer ends the run (its sharded state cannot be rebuilt in place)
+        with the command that resumes from the last checkpoint."""
+        make = calls if callable(calls) else None
+        if make is not None:
+            if self.sync_group_stale:
+                self._form_weight_sync(retain=False)
+            calls = make()
+        retries_without_restart = 0
+        while True:
+            try:
+                return gather(calls, self.timeout)
+            except RunFailed as failure:
+                restarted = self._restarted_producers(failure, calls, whole_sync=make is not None)
+                retries_without_restart = 0 if restarted else retries_without_restart + 1
+                if retries_without_restart > 2:  # failing again with nobody restarted: not a producer death
+                    raise
+                self._recover_producers(restarted)
+            if make is not None:
+                self._form_weight_sync(retain=False)
+                calls = make()
+            else:
+                calls = _redo_lost(calls)
+
+    def _restarted_producers(self, failure: RunFailed, calls: Calls, *, whole_sync: bool) -> list[int]:
+        """Producer ranks Ray restarted (new processes) behind ``failure``; raises if the run cannot go on."""
+        if any(name.startswith("trainer") and outcome == "died" for name, outcome in failure.outcomes.items()):
+            raise RunFailed(f"{failure}; {resume_hint(self.run_dir)}", failure.outcomes) from None
+        if self.config.run.max_actor_restarts == 0 or not failure.outcomes:  # none allowed, or a hang
+            raise failure
+        producer_refs = [c.ref for c in calls if c.actor.startswith("producer")]
+        settled, _ = ray.wait(producer_refs, num_returns=len(producer_refs), timeout=self.timeout)
+        settled = set(settled)
+        outcomes = {c.actor: call_outcome(c.ref)[0] for c in calls if c.ref in settled}
+        outcomes |= {name.split(" (")[0]: outcome for name, outcome in failure.outcomes.items()}
+        trainer_failed = any(a.startswith("trainer") and o != "ok" for a, o in outcomes.items())
+        suspects = sorted(
+            int(actor.split()[1]) for actor, o in outcomes.items() if actor.startswith("producer") and o != "ok"
+        )
+        if not suspects or (trainer_failed and not whole_sync):
+            raise failure
+        infos = self._producers_alive(suspects, failure)
+        restarted = [
+            rank for rank, info in zip(suspects, infos, strict=True) if info["pid"] != self.producer_pids[rank]
+        ]
+        lost_calls = [c for c in calls if c.ref in settled and call_outcome(c.ref)[0] in ("died", "restarted")]
+        if not restarted and not lost_calls and not whole_sync:
+            raise failure  # producers that are alive and were not restarted failed: a real error
+        for rank, info in zip(suspects, infos, strict=True):
+            if rank in restarted:
+                self.producer_pids[rank] = info["pid"]
+        return restarted
+
+    def _producers_alive(self, ranks: list[int], failure: RunFailed) -> list[dict]:
+        """Each producer's ``ready`` info once Ray has it running again; a producer past its restarts ends the run."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return gather(self.producers.ready(ranks), max(1.0, deadline - time.monotonic()))
+            except RunFailed as error:
+                restarting = "The actor is restarting" in str(error)  # Ray refuses calls while it restarts one
+                if restarting and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    continue
+                limit = self.config.run.max_actor_restarts
+                raise RunFailed(
+                    f"{failure}; not restarted again (--max-actor-restarts {limit} used up): {error}", error.outcomes
+                ) from None
+
+    def _recover_producers(self, ranks: list[int]) -> None:
+        """Give restarted producers the last synced version's weights; the sync group is formed again later."""
+        if not ranks:
+            return
+        for rank in ranks:
+            self.producer_restarts[rank] += 1
+            logger.warning(
+                "producer %d died and was restarted (%d of --max-actor-restarts %d); it regenerates its lost rounds",
+                rank, self.producer_restarts[rank], self.config.run.max_actor_restarts,
+            )  # fmt: skip
+        gather(self.producers.restore_weights(ranks, self.progress.policy_version, self.retained_weights), self.timeout)
+        # Every call the dead process had not finished is made again now, before any later sync: the rounds it
+        # was asked for need exactly these weights (each was submitted after the last completed sync).
+        names = {f"producer {rank}" for rank in ranks}
+        outstanding = [c.ref for c in self._outstanding_producer_calls() if c.actor in names]
+        ray.wait(outstanding, num_returns=len(outstanding), timeout=min(30.0, self.timeout))
+        for round_index in sorted(self.pending_produce):
+            self.pending_produce[round_index] = _redo_lost(self.pending_produce[round_index])
+        if self.eval_before_calls is not None:
+            self.eval_before_calls = _redo_lost(self.eval_before_calls)
+        self.sync_group_stale = True
+        self.metrics.log("faults", self.step, {"faults/producer_restarts": sum(self.producer_restarts)})
+
+    def _outstanding_producer_calls(self) -> Calls:
+        queued = [c for r in sorted(self.pending_produce) for c in self.pending_produce[r]]
+        return queued + list(self.eval_before_calls or [])
+
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        return self._log_eval(gather(self.producers.evaluate(), self.timeout))
+        return self._log_eval(self._gather(self.producers.evaluate()))
 
     def _submit_eval_before(self) -> None:
         """Queue the eval of the untrained policy on the producers (once; not on resume)."""
@@ -179,7 +318,7 @@ class Driver:
     def _log_eval_before(self) -> None:
         """Wait for the eval before training, if queued and not logged yet, and log it at the current step."""
         if self.eval_before_calls is not None:
-            self.progress.eval_accuracy_before = self._log_eval(gather(self.eval_before_calls, self.timeout))
+            self.progress.eval_accuracy_before = self._log_eval(self._gather(self.eval_before_calls))
             self.eval_before_calls = None
             self.progress.next_eval_step = self.config.run.eval_interval
 
@@ -232,7 +371,7 @@ class Driver:
     def _train_round(self, round_index: int, progress) -> None:
         sample_step = self._rollout_sample_step()
         train_calls = self.trainers.train_round(round_index, self.buffer, sample_step)
-        results = gather(train_calls + self.pending_produce.pop(round_index), self.timeout)
+        results = self._gather(train_calls + self.pending_produce.pop(round_index))
         if not self.startup_reported:
             self._report_startup(round_index, results[len(self.trainers) :])
         self._log_eval_before()
@@ -240,9 +379,12 @@ class Driver:
 
     def _sync_weights(self, policy_version: int) -> None:
         started = time.perf_counter()
-        gather(
-            self.trainers.push_weights(policy_version) + self.producers.receive_weights(policy_version), self.timeout
+        results = self._gather(
+            lambda: self.trainers.push_weights(policy_version) + self.producers.receive_weights(policy_version)
         )
+        retained = [ref for refs in results[: len(self.trainers)] for ref in refs]
+        if retained:
+            self.retained_weights = retained  # the previous version's copies are freed
         self.progress.policy_version = policy_version
         self.metrics.log("sync", self.step, {"time/sync_s": time.perf_counter() - started})
 
@@ -305,6 +447,7 @@ class Driver:
 
     def save_checkpoint(self) -> Path:
         final = save_run(
+            wait=self._gather,
             run_dir=self.run_dir,
             config=self.config,
             progress=self.progress,

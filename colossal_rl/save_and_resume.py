@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
 
 from colossal_rl import run_checkpoint as ckpt
-from colossal_rl.actor_groups import Calls, TrainerGroup, gather
+from colossal_rl.actor_groups import Call, Calls, TrainerGroup, gather
 from colossal_rl.config import RLConfig
 from colossal_rl.run_checkpoint import RunProgress
 
@@ -33,6 +34,7 @@ def config_as_json(config: RLConfig) -> dict:
 
 def save_run(
     *,
+    wait: Callable[[Calls], list],
     run_dir: Path,
     config: RLConfig,
     progress: RunProgress,
@@ -41,10 +43,12 @@ def save_run(
     pending_produce: dict[int, Calls],
     timeout_s: float,
 ) -> Path:
-    """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters."""
+    """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters.
+
+    ``wait``: how the driver waits for the rollouts already asked for (surviving producer restarts)."""
     staging = ckpt.staging_dir(checkpoints_dir(run_dir), progress.step)
     # Rollouts already asked for are part of the state: wait for them and store them.
-    pending_metrics = {str(r): gather(calls, timeout_s) for r, calls in pending_produce.items()}
+    pending_metrics = {str(r): wait(calls) for r, calls in pending_produce.items()}
     snapshot = ray.get(buffer.snapshot.remote(), timeout=timeout_s)
     snapshot = snapshot.with_payloads(lambda ref: ray.get(ref, timeout=timeout_s))
     gather(trainers.save_checkpoint(str(staging)), timeout_s)
@@ -72,7 +76,7 @@ def restore_run(
     snapshot = ckpt.load_buffer(checkpoint).with_payloads(ray.put)
     ray.get(buffer.restore.remote(snapshot), timeout=timeout_s)
     pending = {
-        int(r): [(f"producer {rank} (restored)", ray.put(m)) for rank, m in enumerate(metrics)]
+        int(r): [Call(f"producer {rank} (restored)", ray.put(m)) for rank, m in enumerate(metrics)]
         for r, metrics in state.pending_rollout_metrics.items()
     }
     logger.info("resumed from %s at step %d (round %d)", checkpoint, progress.step, progress.next_round)

@@ -116,6 +116,13 @@ class RoundBuffer:
             raise ValueError(f"producer {producer_rank} delivered round {round_index} twice")
         state.deliveries[producer_rank] = (payload, num_groups, policy_version, tuple(group_tokens))
 
+    def has_delivery(self, round_index: int, producer_rank: int) -> bool:
+        """Whether ``producer_rank``'s share of ``round_index`` arrived already (a dealt round's shares all did)."""
+        if round_index <= self._last_dealt_round:
+            return True
+        state = self._rounds.get(round_index)
+        return state is not None and producer_rank in state.deliveries
+
     def is_complete(self, round_index: int) -> bool:
         if round_index in self._assignments:
             return True

@@ -1,5 +1,6 @@
 """Run lifecycle end to end through ``rl_example.py``: exact resume after ``kill -9``, HF export, eval and
-rollout files, and a producer killed mid-run ending the run (bounded time, message naming it).
+rollout files, a producer killed mid-run restarted with its rounds regenerated exactly, killed more often
+than allowed ending the run (message naming it), and a killed trainer ending it with the resume command.
 
 Determinism makes the resume check exact: rows per round are a pure function of (seed, round,
 producer), sampling is reseeded per (round, producer), trainers run fp32 on CPU with fixed thread
@@ -97,6 +98,85 @@ def uninterrupted(tmp_path_factory, dropout_model) -> Path:
     return run_dir_in(save_dir)
 
 
+def assert_trained_alike(expected: dict[int, dict], got: dict[int, dict], steps) -> None:
+    """Every metric of every step equal (floats to 1e-6 relative), timings aside."""
+    for step in steps:
+        want, have = compared(expected[step]), compared(got[step])
+        assert have.keys() == want.keys()
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert have[key] == pytest.approx(value, rel=1e-6, abs=1e-9), f"step {step}: {key}"
+            else:  # counts, data indices, non-finite values (stored as strings)
+                assert have[key] == value, f"step {step}: {key}"
+
+
+def producer_pids(actor: str = "ProducerActor") -> set[int]:
+    """Processes of ``actor`` workers on this machine (Ray titles them ``ray::ProducerActor...``)."""
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(f"ray::{actor}" in part for part in proc.info["cmdline"] or ()):
+            found.add(proc.info["pid"])
+    return found
+
+
+class Run:
+    """``rl_example.py`` in the background, its stderr collected."""
+
+    def __init__(self, argv: list[str]):
+        self.process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stderr), daemon=True)
+        self.reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, condition, what: str, timeout_s: float = 300):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = condition()
+            if value:
+                return value
+            assert self.process.poll() is None, f"the run ended before {what}: {self.output[-3000:]}"
+            time.sleep(0.2)
+        raise AssertionError(f"not within {timeout_s}s: {what}")
+
+    def finish(self, timeout_s: float) -> int:
+        try:  # a hang guard, not a speed target
+            returncode = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"the run hung: {self.output[-3000:]}") from None
+        self.reader.join(timeout=10)
+        return returncode
+
+    def kill_a_producer_while_training(self, known: set[int]) -> int:
+        """``kill -9`` a producer that is not in ``known`` once training has started; returns its pid."""
+        self.wait_for(lambda: "optimizer steps:" in self.output, "training started")
+        pid = self.wait_for(lambda: min(producer_pids() - known, default=None), "a producer process")
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+
+def test_a_killed_producer_is_restarted_and_the_run_trains_as_if_undisturbed(uninterrupted, dropout_model, tmp_path):
+    """Elastic producers: the restarted producer gets the last synced weights back and regenerates its lost
+    rounds, so every step trains the same samples to the same metrics as the undisturbed run."""
+    save_dir = tmp_path / "elastic"
+    others = producer_pids()
+    run = Run(command(save_dir, "-m", dropout_model, "--max-actor-restarts", "2"))
+    run.kill_a_producer_while_training(others)
+    assert run.finish(timeout_s=500) == 0, run.output[-3000:]
+    assert "died and was restarted (1 of --max-actor-restarts 2)" in run.output
+    records = read_metrics(run_dir_in(save_dir) / "metrics.jsonl")
+    assert [r["faults/producer_restarts"] for r in records if r["kind"] == "faults"] == [1]
+    got, expected = train_records(run_dir_in(save_dir)), train_records(uninterrupted)
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    assert_trained_alike(expected, got, range(1, STEPS + 1))
+
+
 def kill_driver_after_checkpoint(save_dir: Path, step: int, model: str) -> Path:
     """Start a run, ``kill -9`` its driver as soon as the checkpoint of ``step`` is committed."""
     driver = subprocess.Popen(
@@ -137,14 +217,7 @@ def test_resume_after_kill_9_matches_the_uninterrupted_run(uninterrupted, dropou
     resumed = train_records(run_dir_in(resumed_dir))
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert sorted(resumed) == list(range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1)), "resume must start after step k"
-    for step in range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1):
-        want, got = compared(expected[step]), compared(resumed[step])
-        assert got.keys() == want.keys()
-        for key, value in want.items():
-            if isinstance(value, float):
-                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), f"step {step}: {key}"
-            else:  # counts, data indices, non-finite values (stored as strings)
-                assert got[key] == value, f"step {step}: {key}"
+    assert_trained_alike(expected, resumed, range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1))
 
     # Every prompt trained exactly once across the killed run (up to k) and the resumed one.
     seen = [i for s in range(1, KILL_AFTER_CHECKPOINT + 1) for i in before_kill[s]["train/data_indices"]]
@@ -213,33 +286,28 @@ def test_profile_has_every_actors_phases_and_renders(uninterrupted):
         image.verify()
 
 
-def test_killing_a_producer_mid_run_ends_the_run_naming_it(tmp_path):
-    driver = subprocess.Popen(
-        command(tmp_path, "--max-steps", "40", "--timeout", "60"),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+def test_a_producer_killed_more_often_than_allowed_ends_the_run_naming_it(tmp_path):
+    others = producer_pids()
+    run = Run(command(tmp_path, "--max-steps", "40", "--timeout", "60", "--max-actor-restarts", "1"))
+    first = run.kill_a_producer_while_training(others)
+    run.wait_for(lambda: "died and was restarted (1 of --max-actor-restarts 1)" in run.output, "the restart")
+    run.kill_a_producer_while_training(others | {first})
+    assert run.finish(timeout_s=300) == 2
+    assert re.search(r"ERROR .*producer 0 \(\w+\) (failed|died).*--max-actor-restarts 1 used up", run.output), (
+        run.output[-3000:]
     )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(driver.stderr), daemon=True)
-    reader.start()
-    started = time.monotonic()
-    producer_pid = None
-    while producer_pid is None and time.monotonic() - started < 300:
-        text = "".join(lines)
-        if "optimizer steps:" in text:
-            match = re.search(r"\(ProducerActor pid=(\d+)", text)
-            producer_pid = int(match.group(1)) if match else None
-        assert driver.poll() is None, "".join(lines)[-3000:]
-        time.sleep(0.2)
-    assert producer_pid is not None, "the run never started training"
-    os.kill(producer_pid, signal.SIGKILL)
-    try:  # a hang guard (--timeout is 60 s), not a speed target
-        returncode = driver.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        driver.kill()
-        raise AssertionError("the run hung after its producer was killed") from None
-    reader.join(timeout=10)
-    assert returncode == 2
-    assert re.search(r"ERROR .*producer 0 \(\w+\) (failed|died)", "".join(lines)), "".join(lines)[-3000:]
+
+
+def test_a_killed_trainer_ends_the_run_with_the_command_that_resumes_it(tmp_path):
+    others = producer_pids("TrainerActor")
+    run = Run(command(tmp_path, "--max-steps", "40", "--timeout", "60"))
+    checkpoint = run.wait_for(
+        lambda: min(tmp_path.glob("*/checkpoints/step_000002/state.json"), default=None), "a checkpoint"
+    )
+    os.kill(min(producer_pids("TrainerActor") - others), signal.SIGKILL)
+    assert run.finish(timeout_s=300) == 2
+    run_dir = checkpoint.parents[2]
+    expected = (
+        f"resume with: python rl_example.py --config {run_dir / 'config.yaml'} -cp {run_dir / 'checkpoints'}/step_"
+    )
+    assert re.search(r"ERROR .*trainer 0 \(\w+\) died", run.output) and expected in run.output, run.output[-3000:]

@@ -159,3 +159,14 @@ def test_rounds_must_be_taken_in_order():
         buffer.take(1, 0, trainer_policy_version=0)
     assert names(buffer.take(0, 0, trainer_policy_version=0))[0] == "first:0"
     assert names(buffer.take(1, 0, trainer_policy_version=0))[0] == "next:0"
+
+
+def test_has_delivery_tells_a_restarted_producer_which_shares_already_arrived():
+    buffer = RoundBuffer(num_producers=2, dp_size=1, groups_per_step=1, n_behind=0)
+    assert not buffer.has_delivery(0, 0)
+    buffer.put(0, 0, "a", 1, 0)
+    assert buffer.has_delivery(0, 0) and not buffer.has_delivery(0, 1)
+    buffer.put(0, 1, "b", 1, 0)
+    buffer.take(0, 0, trainer_policy_version=0)
+    assert buffer.has_delivery(0, 1), "a dealt round holds every share"
+    assert not buffer.has_delivery(1, 0)

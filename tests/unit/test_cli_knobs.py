@@ -90,6 +90,7 @@ FLAG_PROBES = {
     "max_steps": (["--max-steps", "7"], "schedule.max_steps"),
     "seed": (["--seed", "3"], "run.seed"),
     "timeout": (["--timeout", "30"], "run.timeout_s"),
+    "max_actor_restarts": (["--max-actor-restarts", "0"], "run.max_actor_restarts"),
     "producer_threads": (["--producer-threads", "1"], "run.producer_threads"),
     "trainer_threads": (["--trainer-threads", "1"], "run.trainer_threads"),
     "weight_sync_backend": (["--weight-sync-backend", "ray_nccl"], "run.weight_sync_backend"),
