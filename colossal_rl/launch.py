@@ -318,8 +318,8 @@ class Driver:
     def _log_eval_before(self) -> None:
         """Wait for the eval before training, if queued and not logged yet, and log it at the current step."""
         if self.eval_before_calls is not None:
-            self.progress.eval_accuracy_before = self._log_eval(self._gather(self.eval_before_calls))
-            self.eval_before_calls = None
+            calls, self.eval_before_calls = self.eval_before_calls, None  # out of the table: re-issued once
+            self.progress.eval_accuracy_before = self._log_eval(self._gather(calls))
             self.progress.next_eval_step = self.config.run.eval_interval
 
     def _log_eval(self, results) -> dict[str, float]:
@@ -446,8 +446,11 @@ class Driver:
         return last_round or self.step // interval > self.last_saved_step // interval
 
     def save_checkpoint(self) -> Path:
+        for round_index in sorted(self.pending_produce):  # finished first, surviving producer restarts
+            calls = self.pending_produce.pop(round_index)  # out of the table while waited on: re-issued once
+            results = self._gather(calls)
+            self.pending_produce[round_index] = [Call(c.name, ray.put(m)) for c, m in zip(calls, results, strict=True)]
         final = save_run(
-            wait=self._gather,
             run_dir=self.run_dir,
             config=self.config,
             progress=self.progress,

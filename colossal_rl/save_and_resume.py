@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -34,7 +33,6 @@ def config_as_json(config: RLConfig) -> dict:
 
 def save_run(
     *,
-    wait: Callable[[Calls], list],
     run_dir: Path,
     config: RLConfig,
     progress: RunProgress,
@@ -43,12 +41,10 @@ def save_run(
     pending_produce: dict[int, Calls],
     timeout_s: float,
 ) -> Path:
-    """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters.
-
-    ``wait``: how the driver waits for the rollouts already asked for (surviving producer restarts)."""
+    """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters."""
     staging = ckpt.staging_dir(checkpoints_dir(run_dir), progress.step)
     # Rollouts already asked for are part of the state: wait for them and store them.
-    pending_metrics = {str(r): wait(calls) for r, calls in pending_produce.items()}
+    pending_metrics = {str(r): gather(calls, timeout_s) for r, calls in pending_produce.items()}
     snapshot = ray.get(buffer.snapshot.remote(), timeout=timeout_s)
     snapshot = snapshot.with_payloads(lambda ref: ray.get(ref, timeout=timeout_s))
     gather(trainers.save_checkpoint(str(staging)), timeout_s)
