@@ -18,7 +18,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -148,13 +147,54 @@ def _outermost(paths: list[str]) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------ uids
+LOCK_DIR_ENV = "COLOSSAL_RL_SANDBOX_LOCK_DIR"
+_LOCK_DIR_CANDIDATES = ("/run/colossal-rl-sandbox-uids", "/dev/shm/colossal-rl-sandbox-uids")
+
+
+def uid_lock_dir() -> Path:
+    """Where uid claims are locked: one directory per machine, whatever ``$TMPDIR`` says.
+
+    Every scorer on the machine must use the same one, or two could claim one uid (and one's cleanup
+    kill the other's programs). ``$COLOSSAL_RL_SANDBOX_LOCK_DIR`` overrides it when set; otherwise the
+    first usable of ``/run/...`` (where only root, the only user of the pool, can create it) and ``/dev/shm/...``.
+    """
+    explicit = os.environ.get(LOCK_DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    for candidate in map(Path, _LOCK_DIR_CANDIDATES):
+        if candidate.is_dir() or os.access(candidate.parent, os.W_OK | os.X_OK):
+            return candidate
+    raise SandboxUnavailable(
+        f"no writable place for the sandbox's uid locks (tried {list(_LOCK_DIR_CANDIDATES)}); "
+        f"set ${LOCK_DIR_ENV} to a directory that every scorer on this machine uses"
+    )
+
+
+def prepare_lock_dir(path: Path) -> Path:
+    """Create ``path`` (mode 0700) if missing, and refuse it if another user could plant, hold or remove locks in it."""
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError as error:
+        raise SandboxUnavailable(f"cannot create the sandbox uid lock directory {path}: {error}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise SandboxUnavailable(f"sandbox uid lock directory {path} is not a directory (a symlink?); remove it")
+    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SandboxUnavailable(
+            f"sandbox uid lock directory {path} is owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}: "
+            f"another user could hold or fake its uid locks; remove it (it is recreated for uid {os.geteuid()}, "
+            f"mode 700) or set ${LOCK_DIR_ENV}"
+        )
+    return path
+
+
 class UidPool:
     """Dedicated non-root uids, one per concurrently running program.
 
     ``RLIMIT_NPROC`` counts processes per uid system-wide, so each running program gets its own
     uid: one program's fork bomb cannot starve another, and after a run every process of that
-    uid can be found and killed. Uids are claimed across processes with ``flock`` on lock files,
-    so several scorers on one machine never share one.
+    uid can be found and killed. Uids are claimed across processes with ``flock`` on lock files in
+    :func:`uid_lock_dir`, so several scorers on one machine never share one.
     """
 
     _pools: dict[tuple[int, int], UidPool] = {}
@@ -173,8 +213,7 @@ class UidPool:
         self.uids = list(range(base, base + count))
         self._lock = threading.Lock()
         self._in_use: dict[int, int] = {}  # uid -> fd of its held lock file
-        self._lock_dir = Path(tempfile.gettempdir()) / "colossal-rl-sandbox-uids"
-        self._lock_dir.mkdir(mode=0o700, exist_ok=True)
+        self.lock_dir = prepare_lock_dir(uid_lock_dir())
 
     def acquire(self, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
@@ -191,7 +230,7 @@ class UidPool:
             free = [uid for uid in self.uids if uid not in self._in_use]
             random.shuffle(free)  # spread over the range so a quarantined uid is not retried first
             for uid in free:
-                fd = os.open(self._lock_dir / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+                fd = self._open_lock_file(uid)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -200,6 +239,13 @@ class UidPool:
                 self._in_use[uid] = fd
                 return uid
         return None
+
+    def _open_lock_file(self, uid: int) -> int:
+        path = self.lock_dir / f"{uid}.lock"
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as error:
+            raise SandboxUnavailable(f"cannot open the sandbox uid lock {path}: {error}") from None
 
     def release(self, uid: int) -> None:
         with self._lock:
