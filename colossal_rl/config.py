@@ -401,6 +401,9 @@ class RunConfig:
     """Keep only the newest this many checkpoints; 0 keeps all."""
     checkpoint_path: str | None = None
     """Resume from this checkpoint (or the newest one inside this run or checkpoints directory)."""
+    resume_fallback: bool = False
+    """When the newest checkpoint is incomplete (no state.json) or damaged (a file differs from its manifest),
+    resume from the newest whole one before it instead of stopping with an error naming it."""
     enable_profiling: bool = False
     """Record per-actor phase timings."""
     seed: int = 0

@@ -145,6 +145,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--save-limit",), "run.save_limit"),
     Flag(("--no-final-export",), "run.final_export", dest="final_export", kind="off_switch"),
     Flag(("-cp", "--checkpoint-path"), "run.checkpoint_path"),
+    Flag(("--resume-fallback",), "run.resume_fallback", kind="switch"),
     Flag(("--seed",), "run.seed"),
     Flag(("--timeout",), "run.timeout_s"),
     Flag(("--max-actor-restarts",), "run.max_actor_restarts"),

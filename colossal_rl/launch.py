@@ -39,6 +39,7 @@ from colossal_rl.run_outputs import (
     prepare_eval_dir,
     rollout_dir,
     write_eval_generations,
+    write_failed_marker,
     write_rollout_samples,
 )
 from colossal_rl.save_and_resume import checkpoint_to_resume, checkpoints_dir, restore_run, save_run
@@ -534,6 +535,9 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
             rounds = total_rounds(config, driver.train_rows)
             logger.info("%d training prompts fit -mpt: %d rounds", driver.train_rows, rounds)
         before, after = driver.run(rounds)
+    except BaseException as error:  # Ctrl-C included: the run directory tells it did not finish
+        write_failed_marker(run_dir, error)
+        raise
     finally:
         if driver is not None:
             driver.shutdown()

@@ -6,9 +6,11 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step_<N>/`` holding
     trainer/     model and optimizer shards, LR scheduler and RNG state of every trainer rank
     hf/          a Hugging Face export (safetensors + config + tokenizer) of the policy
     buffer.pt    rollouts generated but not trained yet, and groups carried over between rounds
+    manifest.json  every other file's size and sha256, written last: resume verifies it before loading
 
 Everything is written into ``.step_<N>.tmp`` first and renamed when complete, so a run killed
-mid-save leaves the previous checkpoint intact and never a half one. Data positions need no
+mid-save leaves the previous checkpoint intact and never a half one. A file damaged afterwards (a
+truncated shard, a disk error) is named by :func:`verify` before anything is loaded. Data positions need no
 saving: which rows a producer generates in round ``r`` is a pure function of (seed, episode,
 round, producer) (see ``data.EpisodeSchedule``), and sampling is reseeded per (round, producer),
 so the next round index is the sampler position of every producer at once. With several nodes,
@@ -17,6 +19,7 @@ so the next round index is the sampler position of every producer at once. With 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -33,6 +36,8 @@ STATE_FILE = "state.json"
 BUFFER_FILE = "buffer.pt"
 TRAINER_DIR = "trainer"
 EXPORT_DIR = "hf"
+MANIFEST_FILE = "manifest.json"
+_HASH_CHUNK = 8 << 20
 
 # Config fields a resumed run must share with the checkpoint: they decide which data each round
 # holds, how it is dealt and how the weights are sharded. Everything else (max steps, episodes,
@@ -132,12 +137,76 @@ def commit(staging: Path, state: RunState, buffer: BufferSnapshot) -> Path:
 
     torch.save(buffer, staging / BUFFER_FILE)
     (staging / STATE_FILE).write_text(json.dumps(state.to_json(), indent=1, sort_keys=True), encoding="utf-8")
+    write_manifest(staging)  # last: it describes every file above and the trainers' shards
     final = staging.parent / checkpoint_name(state.step)
     if final.exists():  # the same step saved again (e.g. a resumed run re-reaching it): replace it whole
         shutil.rmtree(final)
     os.replace(staging, final)
     logger.info("checkpoint saved: %s", final)
     return final
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file, read in chunks (checkpoint shards can be many GB)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> Path:
+    """``manifest.json``: relative path -> size and sha256 of every file under ``directory``."""
+    directory = Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    entries = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": file_digest(p)} for p in files}
+    path = directory / MANIFEST_FILE
+    path.write_text(json.dumps(entries, indent=1, sort_keys=True), encoding="utf-8")
+    return path
+
+
+def manifest_problem(checkpoint: Path) -> str | None:
+    """The first file of ``checkpoint`` that differs from its manifest (``"trainer/model/x.bin: size 10 != 20"``),
+    or None when all match. Files not in the manifest are not checked. No manifest: None (written before
+    checkpoints had one; logged as unverified)."""
+    checkpoint = Path(checkpoint)
+    path = checkpoint / MANIFEST_FILE
+    if not path.is_file():
+        logger.warning("%s has no %s (written by an earlier version): resuming from it unverified", checkpoint,
+                       MANIFEST_FILE)  # fmt: skip
+        return None
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+        expected = {name: (int(e["size"]), str(e["sha256"])) for name, e in entries.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        return f"{MANIFEST_FILE}: unreadable ({error})"
+    for name, (size, sha256) in sorted(expected.items()):
+        file = checkpoint / name
+        if not file.is_file():
+            return f"{name}: missing"
+        actual = file.stat().st_size
+        if actual != size:
+            return f"{name}: {actual} bytes, the manifest says {size} (truncated or overwritten)"
+        if file_digest(file) != sha256:
+            return f"{name}: content differs from the manifest's sha256 (corrupted)"
+    return None
+
+
+def verify(checkpoint: Path) -> Path:
+    """``checkpoint`` if every file matches its manifest; else :class:`CheckpointError` naming the first bad one."""
+    problem = manifest_problem(checkpoint)
+    if problem is not None:
+        raise CheckpointError(f"{checkpoint}: {problem}")
+    return Path(checkpoint)
+
+
+def checkpoint_dirs(checkpoints_dir: Path) -> list[Path]:
+    """Every ``step_<N>`` directory, complete or not (temporary ``.step_<N>.tmp`` ones excluded), in step order."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [p for p in checkpoints_dir.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
 
 def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
@@ -160,22 +229,41 @@ def prune(checkpoints_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
-def resolve(path: str | Path) -> Path:
-    """``-cp`` may name a checkpoint (``step_32`` or ``step_000032``), a run's ``checkpoints/`` directory or the
-    run directory: the newest inside."""
+def resolve(path: str | Path, *, fallback: bool = False) -> Path:
+    """The verified checkpoint ``-cp`` names: a checkpoint (``step_32`` or ``step_000032``), or a run's
+    ``checkpoints/`` directory or the run directory (the newest inside).
+
+    The newest must be whole: a ``step_<N>`` directory without ``state.json`` or with a file that differs
+    from its manifest is an error naming it, unless ``fallback`` (``--resume-fallback``), which skips it
+    (logged) for the newest one that is whole."""
     path = Path(path)
-    if (path / STATE_FILE).is_file():
-        return path
     step = path.name.removeprefix("step_")
+    named = path
     if not path.exists() and path.name.startswith("step_") and step.isdigit():  # step_32 for step_000032
-        padded = path.parent / checkpoint_name(int(step))
-        if (padded / STATE_FILE).is_file():
-            return padded
+        named = path.parent / checkpoint_name(int(step))
+    if named.name.startswith("step_") and named.is_dir():
+        if not (named / STATE_FILE).is_file():
+            raise CheckpointError(f"{named}: no {STATE_FILE} (an interrupted or damaged checkpoint)")
+        return verify(named)
     for candidate in (path, path / "checkpoints"):
-        found = complete_checkpoints(candidate)
+        found = checkpoint_dirs(candidate)
         if found:
-            return found[-1]
+            return _newest_whole(found, fallback)
     raise CheckpointError(f"{path}: no complete checkpoint (a directory with {STATE_FILE}) here or in checkpoints/")
+
+
+def _newest_whole(found: list[Path], fallback: bool) -> Path:
+    for checkpoint in reversed(found):
+        problem = None if (checkpoint / STATE_FILE).is_file() else f"no {STATE_FILE}"
+        problem = problem or manifest_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        if not fallback:
+            raise CheckpointError(
+                f"{checkpoint}: {problem}; pass --resume-fallback to resume from the newest whole checkpoint before it"
+            )
+        logger.warning("--resume-fallback: skipping %s (%s)", checkpoint, problem)
+    raise CheckpointError(f"{found[0].parent}: no whole checkpoint (every one is incomplete or damaged)")
 
 
 def load_state(checkpoint: Path) -> RunState:

@@ -20,6 +20,19 @@ class OutputDirError(FileExistsError):
     """An output directory would be overwritten; the message names it and the flag that allows it."""
 
 
+FAILED_MARKER = "FAILED"
+"""In the run directory of a run that stopped with an error: the error, so a failed run is told at a glance."""
+
+
+def write_failed_marker(run_dir: Path, error: BaseException) -> Path:
+    """``<run_dir>/FAILED``: the error's type and message (written whole, through a rename)."""
+    path = Path(run_dir) / FAILED_MARKER
+    staging = path.with_name(f".{FAILED_MARKER}.tmp")
+    staging.write_text(f"{type(error).__name__}: {error}\n", encoding="utf-8")
+    staging.replace(path)
+    return path
+
+
 def eval_dir(run_dir: Path, configured: str | None) -> Path:
     return Path(configured) if configured else Path(run_dir) / "eval"
 

@@ -83,7 +83,7 @@ def checkpoint_to_resume(config: RLConfig) -> Path | None:
     """The checkpoint ``-cp`` names, checked against this run's config (fields that must not change)."""
     if config.run.checkpoint_path is None:
         return None
-    checkpoint = ckpt.resolve(config.run.checkpoint_path)
+    checkpoint = ckpt.resolve(config.run.checkpoint_path, fallback=config.run.resume_fallback)
     saved = ckpt.load_state(checkpoint)
     mismatches = ckpt.resume_mismatches(saved.config, config_as_json(config))
     if mismatches:

@@ -311,3 +311,4 @@ def test_a_killed_trainer_ends_the_run_with_the_command_that_resumes_it(tmp_path
         f"resume with: python rl_example.py --config {run_dir / 'config.yaml'} -cp {run_dir / 'checkpoints'}/step_"
     )
     assert re.search(r"ERROR .*trainer 0 \(\w+\) died", run.output) and expected in run.output, run.output[-3000:]
+    assert "trainer 0" in (run_dir / "FAILED").read_text(), "a failed run says so in its directory"

@@ -91,6 +91,7 @@ FLAG_PROBES = {
     "seed": (["--seed", "3"], "run.seed"),
     "timeout": (["--timeout", "30"], "run.timeout_s"),
     "max_actor_restarts": (["--max-actor-restarts", "0"], "run.max_actor_restarts"),
+    "resume_fallback": (["--resume-fallback"], "run.resume_fallback"),
     "producer_threads": (["--producer-threads", "1"], "run.producer_threads"),
     "trainer_threads": (["--trainer-threads", "1"], "run.trainer_threads"),
     "weight_sync_backend": (["--weight-sync-backend", "ray_nccl"], "run.weight_sync_backend"),
