@@ -3,10 +3,9 @@ a two-member gloo group run in two threads (no extra processes)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from process_members import run_members
 
 from colossal_rl.comm.process_group import create_standalone_group, find_free_port
 from colossal_rl.comm.weight_sync import (
@@ -139,26 +138,27 @@ def test_merge_stage_parts_refuses_overlapping_keys():
         merge_stage_parts([first, {"a": torch.ones(1)}])
 
 
+def quiesce(group) -> None:
+    """Every member past every collective before any member tears its group down, then destroyed."""
+    group.barrier()
+    group.destroy()
+
+
 def run_pair(sender_fn, receiver_fn, timeout_s: float = 20.0):
-    """Run ``sender_fn(group)`` and ``receiver_fn(group)`` on a two-member gloo group, in two threads."""
+    """Run ``sender_fn(group)`` and ``receiver_fn(group)`` on a two-member gloo group, in two processes."""
     port = find_free_port()
-    results: dict[int, object] = {}
 
-    def member(rank: int, fn) -> None:
-        try:
+    def member(rank: int, fn):
+        def run():
             group = create_standalone_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=timeout_s)
-            results[rank] = fn(group)
-            group.destroy()
-        except BaseException as error:  # noqa: BLE001 - reported to the test thread below
-            results[rank] = error
+            result = fn(group)
+            quiesce(group)
+            return result
 
-    threads = [threading.Thread(target=member, args=(r, fn)) for r, fn in enumerate((sender_fn, receiver_fn))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s + 10)
-    assert not any(thread.is_alive() for thread in threads), "a member hung"
-    return results[0], results[1]
+        return run
+
+    sender, receiver = run_members([member(0, sender_fn), member(1, receiver_fn)], timeout_s)
+    return sender, receiver
 
 
 def test_send_receive_two_versions_with_bucket_callback():
@@ -353,7 +353,7 @@ def test_stage_senders_refuse_a_broken_assignment(sync_stages, message):
 
 
 def test_receive_stages_merges_every_stage_received_concurrently():
-    """Two pipeline stages each send their part over their own group to one producer (three threads)."""
+    """Two pipeline stages each send their part over their own group to one producer (three processes)."""
     full = mixed_state_dict(seed=7)
     names = list(full)
     parts = [{n: full[n] for n in names[:3]}, {n: full[n] for n in names[3:]}]
@@ -365,9 +365,9 @@ def test_receive_stages_merges_every_stage_received_concurrently():
         sender = WeightSender(group, WeightLayout.from_state_dict(parts[stage]), bucket_bytes=256)
         for version in versions:
             sender.send(parts[stage], version)
-        group.destroy()
+        quiesce(group)
 
-    def producer() -> None:
+    def producer() -> dict:
         receivers = []
         for stage, part in enumerate(parts):
             group = create_standalone_group("gloo", 1, 2, "127.0.0.1", ports[stage], 20.0, name=stage_group_name(stage))
@@ -377,24 +377,13 @@ def test_receive_stages_merges_every_stage_received_concurrently():
         with pytest.raises(RuntimeError, match=r"different weight versions: \[2, 3\]"):
             receive_stages(receivers)
         results["mismatch refused"] = True
+        for receiver in receivers:
+            quiesce(receiver.group)
+        return results
 
-    def guarded(name, fn, *args):
-        try:
-            fn(*args)
-        except BaseException as error:  # noqa: BLE001 - reported to the test thread below
-            results[name] = error
-
-    threads = [
-        threading.Thread(target=guarded, args=("stage0", stage_sender, 0, (1, 2))),
-        threading.Thread(target=guarded, args=("stage1", stage_sender, 1, (1, 3))),
-        threading.Thread(target=guarded, args=("producer", producer)),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(40)
-    assert not any(thread.is_alive() for thread in threads), "a member hung"
-    assert not any(isinstance(v, BaseException) for v in results.values()), results
+    outcomes = run_members([lambda: stage_sender(0, (1, 2)), lambda: stage_sender(1, (1, 3)), producer], timeout_s=30)
+    assert not any(isinstance(outcome, BaseException) for outcome in outcomes), outcomes
+    results = outcomes[2]
     version, tensors = results["first"]
     assert version == 1
     assert_bit_identical(tensors, full)  # merged in stage order: the full dict's order

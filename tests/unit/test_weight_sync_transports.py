@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import threading
 from typing import get_args
 
 import pytest
 import torch
 from fake_ray_collective import FakeCuda, FakeRayCollective
+from process_members import run_members
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from colossal_rl.comm import ray_nccl_group
@@ -125,7 +125,6 @@ def test_weight_sync_end_to_end_over_the_torch_transport():
     port = find_free_port()
     versions = {1: {"w": torch.randn(33, 7).bfloat16(), "b": torch.arange(5.0)}, 2: {}}
     versions[2] = {name: tensor + 1 for name, tensor in versions[1].items()}
-    results: dict[int, object] = {}
 
     def sender() -> None:
         end = host_as_sender(
@@ -136,29 +135,19 @@ def test_weight_sync_end_to_end_over_the_torch_transport():
             end.send(versions[version], version)
         end.close()
 
-    def receiver(rank: int) -> None:
+    def receiver(rank: int) -> list:
         end = join_as_receiver(host="127.0.0.1", port=port, rank=rank, world_size=3, timeout_s=20.0, transport="torch")
         received = []
         for _ in range(2):  # the tensors are views the next receive overwrites: copy each version first
             version, tensors = end.receive()
             received.append((version, {name: tensor.clone() for name, tensor in tensors.items()}))
-        results[rank] = received
         end.close()
+        return received
 
-    def guarded(key: int, fn, *args) -> None:
-        try:
-            fn(*args)
-        except BaseException as error:  # noqa: BLE001 - reported to the test thread below
-            results[key] = error
-
-    threads = [threading.Thread(target=guarded, args=(0, sender))] + [
-        threading.Thread(target=guarded, args=(rank, receiver, rank)) for rank in (1, 2)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(40)
-    assert not any(thread.is_alive() for thread in threads), "a member hung"
+    outcomes = run_members([sender, lambda: receiver(1), lambda: receiver(2)], timeout_s=30)
+    results = dict(enumerate(outcomes))
+    if results[0] is None:
+        del results[0]
     assert 0 not in results, results.get(0)
     for rank in (1, 2):
         received = results[rank]
