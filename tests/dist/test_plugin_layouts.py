@@ -242,7 +242,7 @@ def _consumer(rank: int, port: int, sync_ports: list[list[int]], out_dir: Path) 
                 timeout_s=SYNC_TIMEOUT_S,
                 name=f"{layout.name}/{stage_group_name(stage)}",
             )
-            sender.send(state, version=NUM_STEPS)
+            sender.send(state, policy_version=NUM_STEPS)
             sender.close()
         torch.save(result, out_dir / f"{layout.name}.rank{rank}.pt")
 
