@@ -31,6 +31,7 @@ OldLogprobs = Literal["recompute", "behaviour"]
 AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 WeightSyncBackend = Literal["torch", "ray_nccl"]
 SequenceLayout = Literal["auto", "padded", "packed", "shared_prompt"]
+WeightSyncMode = Literal["broadcast", "shm", "checkpoint"]
 
 
 class ConfigError(ValueError):
@@ -196,6 +197,14 @@ class AlgorithmConfig:
     after its first step's; verl's "recompute old log-prob"). ``behaviour``: the producer's sampling
     log-probs (ColossalChat; no extra forward, but the ratio then also carries staleness and the
     inference/training numeric mismatch)."""
+    objective: str = "policy_gradient"
+    """Name in ``colossal_rl.training.objective.OBJECTIVES``: ``policy_gradient`` (the clipped ratio losses
+    above) or ``dpo`` (online DPO over each group's best and worst sample, against the reference model)."""
+    dpo_beta: float = 0.1
+    """DPO's beta: how far (in log-ratio to the reference) the policy may move to separate chosen from rejected."""
+    mask_zero_advantage: bool = False
+    """Samples whose advantage is exactly 0 leave the loss and its denominators (online DPO: the samples
+    that are in no pair)."""
 
     def validate(self) -> None:
         _require(self.clip_eps_low >= 0, "algorithm.clip_eps_low", "must be >= 0")
@@ -214,6 +223,11 @@ class AlgorithmConfig:
             self.old_logprobs in ("recompute", "behaviour"),
             "algorithm.old_logprobs",
             f"must be recompute or behaviour, got {self.old_logprobs!r}",
+        )
+        _require(
+            math.isfinite(self.dpo_beta) and self.dpo_beta > 0,
+            "algorithm.dpo_beta",
+            f"must be a finite number > 0, got {self.dpo_beta}",
         )
 
 
@@ -262,6 +276,14 @@ class TrainConfig:
     """Token budget of one forward/backward (verl's dynamic batch size): micro-batches take samples (whole
     groups under ``shared_prompt``) while the tokens the layout computes stay within it; replaces
     ``microbatch_size`` when set. None: ``microbatch_size`` samples per micro-batch."""
+    lora_rank: int = 0
+    """Rank of LoRA adapters (through peft) on ``lora_target_modules``: only the adapters are trained,
+    checkpointed and sent to the producers. 0: full fine-tuning."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank."""
+    lora_target_modules: str = "all-linear"
+    """Modules that get adapters: comma-separated module names (``q_proj,v_proj``) or ``all-linear`` (every
+    linear layer but the output head)."""
 
     def validate(self) -> None:
         _require(
@@ -297,6 +319,17 @@ class TrainConfig:
             self.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
             "train.attn_implementation",
             f"must be sdpa, eager or flash_attention_2, got {self.attn_implementation!r}",
+        )
+        _require(self.lora_rank >= 0, "train.lora_rank", f"must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        _require(
+            math.isfinite(self.lora_alpha) and self.lora_alpha > 0,
+            "train.lora_alpha",
+            f"must be a finite number > 0, got {self.lora_alpha}",
+        )
+        _require(
+            all(name.strip() for name in self.lora_target_modules.split(",")),
+            "train.lora_target_modules",
+            f"must be all-linear or comma-separated module names, got {self.lora_target_modules!r}",
         )
 
 
@@ -428,6 +461,11 @@ class RunConfig:
     """Group carrying the trainer-to-producer weight sync (``comm/transports.py``). ``torch``: torch's own
     process group over a standalone TCPStore, gloo for CPU weights and ProcessGroupNCCL for GPU weights.
     ``ray_nccl``: Ray's cupy-based NCCL collective group (GPUs only, needs cupy: the ``gpu`` extra)."""
+    weight_sync_mode: WeightSyncMode = "broadcast"
+    """How new weights reach the producers (``comm/weight_sync_modes.py``). ``broadcast``: the collective group
+    above. ``shm``: producers on the sending trainer's host read them from double-buffered shared memory
+    (``/dev/shm``), producers on other hosts keep the broadcast. ``checkpoint``: the trainer writes a
+    safetensors file per sync (atomically) into the run directory and producers load it: no collective."""
 
     def validate(self) -> None:
         _require(self.producer_threads is None or self.producer_threads >= 1, "run.producer_threads", "must be >= 1")
@@ -442,6 +480,11 @@ class RunConfig:
             self.weight_sync_backend in ("torch", "ray_nccl"),
             "run.weight_sync_backend",
             f"must be torch or ray_nccl, got {self.weight_sync_backend!r}",
+        )
+        _require(
+            self.weight_sync_mode in ("broadcast", "shm", "checkpoint"),
+            "run.weight_sync_mode",
+            f"must be broadcast, shm or checkpoint, got {self.weight_sync_mode!r}",
         )
         _require(self.master_port is None or 0 < self.master_port < 65536, "run.master_port", "must be in 1..65535")
 
@@ -491,6 +534,20 @@ class RLConfig:
         self.reward.validate()
         self.data.validate()
         self._validate_batch_arithmetic()
+        _require(
+            self.train.lora_rank == 0 or (self.parallel.tp_size == 1 and self.parallel.pp_size == 1),
+            "train.lora_rank",
+            "LoRA adapters train under DDP and ZeRO only: peft's adapters are not sharded by ColossalAI's tensor "
+            "or pipeline parallelism (drop -tp/-pp, or train without LoRA)",
+        )
+        _require(
+            self.algorithm.objective == "policy_gradient"
+            or self.parallel.pp_size == 1
+            or (self.train.microbatch_size // self.parallel.pp_size) % self.generation.num_generations == 0,
+            "algorithm.objective",
+            f"{self.algorithm.objective} compares the samples of a prompt group inside one micro-batch: under "
+            "pipeline parallelism microbatch // pp must be a multiple of num_generations",
+        )
         return self
 
     def _validate_batch_arithmetic(self) -> None:

@@ -92,6 +92,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-a", "--algo"), "algorithm.name", "Algorithm preset (colossal_rl/presets.py).", type=str.upper),
     Flag(("-kl", "--kl-coeff"), "algorithm.kl_coeff"),
     Flag(("--old-logprobs",), "algorithm.old_logprobs"),
+    Flag(("--dpo-beta",), "algorithm.dpo_beta"),
     # training
     Flag(("-lr", "--learning-rate"), "train.learning_rate"),
     Flag(("-tbs", "--train-batch-size"), "train.batch_size"),
@@ -111,6 +112,9 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(("--sequence-layout",), "train.sequence_layout"),
     Flag(("--max-tokens-per-microbatch",), "train.max_tokens_per_microbatch"),
+    Flag(("--lora-rank",), "train.lora_rank"),
+    Flag(("--lora-alpha",), "train.lora_alpha"),
+    Flag(("--lora-target-modules",), "train.lora_target_modules"),
     # parallelism and schedule
     Flag(("-t", "--num-trainers"), "parallel.num_trainers"),
     Flag(("-tp", "--tensor-parallel-size"), "parallel.tp_size"),
@@ -152,6 +156,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--producer-threads",), "run.producer_threads"),
     Flag(("--trainer-threads",), "run.trainer_threads"),
     Flag(("--weight-sync-backend",), "run.weight_sync_backend"),
+    Flag(("--weight-sync-mode",), "run.weight_sync_mode"),
     Flag(("--ray_dir",), "run.ray_dir"),
     Flag(("--master_address",), "run.master_address"),
     Flag(("--master_port",), "run.master_port"),

@@ -61,12 +61,16 @@ FLAG_PROBES = {
     "learning_rate": (["-lr", "1e-5"], "train.learning_rate"),
     "kl_coeff": (["-kl", "0.01"], "algorithm.kl_coeff"),
     "old_logprobs": (["--old-logprobs", "behaviour"], "algorithm.old_logprobs"),
+    "dpo_beta": (["--dpo-beta", "0.3"], "algorithm.dpo_beta"),
     "ppo_epochs": (["--ppo-epochs", "2"], "train.ppo_epochs"),
     "grad_checkpoint": (["--grad-checkpoint"], "train.gradient_checkpointing"),
     "attn_implementation": (["--attn-implementation", "eager"], "train.attn_implementation"),
     "full_logits": (["--full-logits"], "train.logits_from_hidden"),
     "sequence_layout": (["--sequence-layout", "packed"], "train.sequence_layout"),
     "max_tokens_per_microbatch": (["--max-tokens-per-microbatch", "512"], "train.max_tokens_per_microbatch"),
+    "lora_rank": (["--lora-rank", "4"], "train.lora_rank"),
+    "lora_alpha": (["--lora-alpha", "8"], "train.lora_alpha"),
+    "lora_target_modules": (["--lora-target-modules", "q_proj,v_proj"], "train.lora_target_modules"),
     "reward_type": (["-rt", "think_answer_tags"], "reward.reward_type"),
     "reward_fn": (["--reward-fn", "my_reward.py:score"], "reward.reward_fn"),
     "code_verifier_url": (["-cv", "http://localhost:8000"], "reward.code_verifier_url"),
@@ -95,6 +99,7 @@ FLAG_PROBES = {
     "producer_threads": (["--producer-threads", "1"], "run.producer_threads"),
     "trainer_threads": (["--trainer-threads", "1"], "run.trainer_threads"),
     "weight_sync_backend": (["--weight-sync-backend", "ray_nccl"], "run.weight_sync_backend"),
+    "weight_sync_mode": (["--weight-sync-mode", "shm"], "run.weight_sync_mode"),
 }
 # Fields with no flag of their own, set through --config (or derived: data.seed from --seed, stop strings from the
 # reward type, the algorithm's fields from its preset -a).
