@@ -32,6 +32,8 @@ AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 WeightSyncBackend = Literal["torch", "ray_nccl"]
 SequenceLayout = Literal["auto", "padded", "packed", "shared_prompt"]
 WeightSyncMode = Literal["broadcast", "shm", "checkpoint"]
+OBJECTIVE_NAMES: tuple[str, ...] = ("policy_gradient", "dpo")
+"""The names of ``training.objective.OBJECTIVES`` (kept here so the config imports no torch; a test checks)."""
 
 
 class ConfigError(ValueError):
@@ -223,6 +225,17 @@ class AlgorithmConfig:
             self.old_logprobs in ("recompute", "behaviour"),
             "algorithm.old_logprobs",
             f"must be recompute or behaviour, got {self.old_logprobs!r}",
+        )
+        _require(
+            self.objective in OBJECTIVE_NAMES,
+            "algorithm.objective",
+            f"must be one of {', '.join(OBJECTIVE_NAMES)}, got {self.objective!r}",
+        )
+        _require(
+            self.objective != "dpo" or (self.advantage_estimator == "dpo_pairs" and self.mask_zero_advantage),
+            "algorithm.objective",
+            "dpo trains the pairs the dpo_pairs estimator marks, and only them: it needs advantage_estimator "
+            "dpo_pairs and mask_zero_advantage true (as the ONLINE_DPO preset sets)",
         )
         _require(
             math.isfinite(self.dpo_beta) and self.dpo_beta > 0,

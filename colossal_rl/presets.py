@@ -115,6 +115,21 @@ def gspo(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmCon
     )
 
 
+@PRESETS.register("ONLINE_DPO")
+def online_dpo(*, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
+    """Online DPO (Guo et al. 2024; verl's "extend to other algorithms" tutorial): each group's best- and
+    worst-rewarded responses form a preference pair (ties: no pair), trained with the DPO loss against the
+    reference model (``algorithm.dpo_beta``). ``kl_coeff`` is ignored: the reference enters through DPO's
+    log-ratios, not a KL term."""
+    return AlgorithmConfig(
+        name="ONLINE_DPO",
+        advantage_estimator="dpo_pairs",
+        objective="dpo",
+        mask_zero_advantage=True,
+        kl_coeff=0.0,
+    )
+
+
 def algorithm_preset(name: str, *, kl_coeff: float, max_new_tokens: int, n_behind: int) -> AlgorithmConfig:
     """The validated preset ``name``; raises ``ValueError`` listing the known presets for an unknown name."""
     config = PRESETS.get(name)(kl_coeff=kl_coeff, max_new_tokens=max_new_tokens, n_behind=n_behind)

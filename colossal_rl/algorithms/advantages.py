@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from colossal_rl.algorithms.dpo import preference_pair_signs
 from colossal_rl.algorithms.registry import Registry
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS.register("dpo_pairs")(preference_pair_signs)  # online DPO: +1 chosen, -1 rejected, 0 rest
 
 
 def _grouped(

@@ -29,7 +29,8 @@ def postprocess_rollout(
     (3) dynamic sampling drops groups whose accuracy over loss-masked-in samples lies outside
     ``algo.filter_range`` (before advantages, so batch-level estimators see only kept groups);
     (4) ``algo.advantage_estimator`` computes advantages over the samples in ``loss_mask`` (token-weighted
-    estimators weigh each by its response length).
+    estimators weigh each by its response length); (5) with ``algo.mask_zero_advantage`` samples whose
+    advantage is exactly 0 leave ``loss_mask`` (online DPO's unpaired samples).
 
     Metrics (floats): ``rollout/reward_mean`` and ``rollout/accuracy`` over samples without infra errors
     (the incoming ``loss_mask``), ``rollout/groups``, ``rollout/groups_filtered``,
@@ -73,4 +74,7 @@ def postprocess_rollout(
         valid_mask=batch.loss_mask,
         response_lengths=batch.response_mask.sum(-1),
     )
+    if algo.mask_zero_advantage:  # e.g. online DPO: only the paired samples are trained
+        batch = replace(batch, loss_mask=batch.loss_mask * (advantages != 0).to(batch.loss_mask.dtype))
+        metrics["rollout/zero_advantage_masked_fraction"] = float((advantages == 0).float().mean())
     return batch.with_advantages(advantages), metrics

@@ -18,6 +18,7 @@ import torch
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig
 from colossal_rl.training import micro_batches
+from colossal_rl.training.objective import objective_for
 from colossal_rl.training.policy_forward import output_head_returns_hidden, response_terms
 from colossal_rl.training.sequence_layout import ForwardLayout, block_layout, padded_layout
 
@@ -54,13 +55,17 @@ class MicroBatchForward:
 
     def micro_ranges(self, chunk: RolloutBatch, *, same_count_on_every_rank: bool) -> list[tuple[int, int]]:
         """Sample ranges of ``chunk``'s micro-batches: ``train.microbatch_size`` samples each, or within
-        ``train.max_tokens_per_microbatch`` tokens (whole groups under shared_prompt).
+        ``train.max_tokens_per_microbatch`` tokens (whole groups under shared_prompt, and for an objective that
+        compares a group's samples).
         ``same_count_on_every_rank``: a budgeted plan gets the data-parallel ranks' largest count (each backward
         all-reduces gradients, so every rank must run as many)."""
         train = self.config.train
         shared, padded = self.layout == "shared_prompt", self.layout == "padded"
+        whole_groups = shared or objective_for(self.config.algorithm).whole_groups
         units = micro_batches.make_units(
-            chunk.prompt_mask.sum(1).tolist(), chunk.response_mask.sum(1).tolist(), chunk.group_size if shared else 1
+            chunk.prompt_mask.sum(1).tolist(),
+            chunk.response_mask.sum(1).tolist(),
+            chunk.group_size if whole_groups else 1,
         )
         if train.max_tokens_per_microbatch is None:
             return micro_batches.by_count(units, train.microbatch_size)

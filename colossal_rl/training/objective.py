@@ -3,9 +3,16 @@
 This is the only place on the training side that reads ``AlgorithmConfig`` to choose math; it looks
 functions up by name in ``colossal_rl.algorithms`` and never branches on the algorithm's name. It holds
 no state and does no communication: the global token and sample counts come from the caller.
+
+``OBJECTIVES`` names the objectives (``algorithm.objective``): ``policy_gradient`` (:func:`policy_objective`:
+the clipped-ratio family, GRPO and relatives) and ``dpo`` (:func:`dpo_objective`: online DPO). Each entry
+says what the trainer must provide: whole prompt groups in every micro-batch, a reference model, pi_old.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,12 +21,45 @@ from colossal_rl.algorithms import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     PolicyLossOutput,
+    dpo_loss,
+    group_pair_margins,
     masked_mean,
     off_policy_metrics,
+    sequence_log_ratios,
     skip_threshold_mask,
     truncated_importance_weights,
 )
+from colossal_rl.algorithms.registry import Registry
 from colossal_rl.config import AlgorithmConfig
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A training objective and what it needs from the trainer.
+
+    ``loss`` takes keyword arguments only: new/old/behaviour/ref log-probs [B, T], advantages [B],
+    response_mask [B, T], loss_mask [B], algo, global_token_count, global_sample_count, max_response_length,
+    group_size; and returns (scalar loss, detached metrics).
+    """
+
+    loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    whole_groups: bool
+    """Its loss compares the samples of a prompt group: micro-batches must never split a group."""
+    needs_reference: bool
+    """It needs the reference model's log-probs whatever ``kl_coeff`` is."""
+    uses_old_logprobs: bool
+    """It reads pi_old (a ratio): otherwise the trainer skips pi_old's extra forward."""
+
+    def __call__(self, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.loss(**kwargs)
+
+
+OBJECTIVES: Registry[Objective] = Registry("training objective")
+
+
+def objective_for(algo: AlgorithmConfig) -> Objective:
+    """The registered objective ``algo.objective``; ``ValueError`` listing the known ones otherwise."""
+    return OBJECTIVES.get(algo.objective)
 
 
 def policy_objective(
@@ -35,6 +75,7 @@ def policy_objective(
     global_token_count: float,
     global_sample_count: float,
     max_response_length: int,
+    group_size: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """loss = aggregate(w_t * l_t + kl_coeff * kl_t) over the micro-batch, with global denominators.
 
@@ -101,6 +142,59 @@ def policy_objective(
     metrics.update(_ratio_metrics(output, new_logprobs, old_logprobs, mask))
     metrics.update(off_policy_metrics(old_logprobs, behaviour_logprobs, mask, algo.truncated_is_cap))
     return loss, metrics
+
+
+def dpo_objective(
+    *,
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    algo: AlgorithmConfig,
+    global_token_count: float,
+    global_sample_count: float,
+    max_response_length: int,
+    group_size: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Online DPO: sum over this micro-batch's pairs of -log sigmoid(beta (chosen - rejected log-ratio)),
+    divided by the step's global pair count.
+
+    ``advantages`` carry the pair (+1 chosen, -1 rejected, 0 neither: the ``dpo_pairs`` estimator) and the
+    micro-batch holds whole groups of ``group_size``. With ``algorithm.mask_zero_advantage`` the loss samples
+    are exactly the paired ones, so ``global_sample_count / 2`` is the step's pair count over every
+    micro-batch and data-parallel rank, and the SUM of the returned losses is the mean DPO loss over pairs.
+    A log-ratio is log pi(y|x) - log pi_ref(y|x) summed over the response (fp32). Old and behaviour log-probs
+    are not used (DPO has no ratio to pi_old).
+
+    Metrics, means over this micro-batch's pairs: ``train/dpo_accuracy`` (chosen's log-ratio above the
+    rejected's), ``train/dpo_margin`` (chosen minus rejected log-ratio), ``train/dpo_chosen_log_ratio``,
+    ``train/dpo_rejected_log_ratio``.
+    """
+    if ref_logprobs is None:
+        raise ValueError("the dpo objective needs ref_logprobs from a reference model")
+    signs = torch.where(loss_mask.bool(), advantages, 0.0)
+    log_ratios = sequence_log_ratios(new_logprobs, ref_logprobs, response_mask)  # [B]
+    chosen, rejected, has_pair = group_pair_margins(log_ratios, signs, group_size)  # [B / G]
+    per_pair = dpo_loss(chosen, rejected, algo.dpo_beta)
+    pairs = max(global_sample_count / 2.0, 1.0)
+    loss = torch.where(has_pair, per_pair, 0.0).sum() / pairs
+    margin = (chosen - rejected).detach()
+    metrics = {
+        "train/dpo_accuracy": masked_mean((margin > 0).float(), has_pair),
+        "train/dpo_margin": masked_mean(margin, has_pair),
+        "train/dpo_chosen_log_ratio": masked_mean(chosen.detach(), has_pair),
+        "train/dpo_rejected_log_ratio": masked_mean(rejected.detach(), has_pair),
+    }
+    return loss, metrics
+
+
+OBJECTIVES.register("policy_gradient")(
+    Objective(policy_objective, whole_groups=False, needs_reference=False, uses_old_logprobs=True)
+)
+OBJECTIVES.register("dpo")(Objective(dpo_objective, whole_groups=True, needs_reference=True, uses_old_logprobs=False))
 
 
 def _ratio_metrics(

@@ -34,6 +34,7 @@ from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.training.lr_schedule import ScheduleHorizon, make_lr_scheduler
 from colossal_rl.training.micro_batch_forward import MicroBatchForward
+from colossal_rl.training.objective import objective_for
 from colossal_rl.training.policy_forward import model_inputs
 from colossal_rl.training.round_plan import epoch_steps
 
@@ -107,6 +108,8 @@ class Trainer:
         """Start-up phases (always recorded; see ``colossal_rl.startup``)."""
         self.schedule_horizon = ScheduleHorizon()
         """The run's total optimizer steps, for the learning-rate schedule (:meth:`set_total_steps`)."""
+        self.objective = objective_for(config.algorithm)
+        """The loss (``training/objective.py``) and what it needs: a reference model, pi_old, whole groups."""
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -160,7 +163,7 @@ class Trainer:
                 model, optimizer, lr_scheduler=lr_scheduler
             )
         self.reference_model = None
-        if self.config.algorithm.kl_coeff > 0:
+        if self.config.algorithm.kl_coeff > 0 or self.objective.needs_reference:
             with self.startup.record("reference model"):
                 self.reference_model = self._build_reference_model(dtype)
         self.dp_group = self._data_parallel_group()
@@ -232,6 +235,8 @@ class Trainer:
 
     def _with_old_logprobs(self, steps: list[RolloutBatch]) -> list[RolloutBatch]:
         """The round's steps with pi_old attached wherever the step's own forward cannot provide it."""
+        if not self.objective.uses_old_logprobs:
+            return steps
         if self.config.algorithm.old_logprobs == "behaviour":
             return [batch.with_old_logprobs(batch.behaviour_logprobs) for batch in steps]
         steps = list(steps)
@@ -374,7 +379,14 @@ class Trainer:
                 )
                 part_ref = None if ref_logprobs is None else ref_logprobs[start:stop]
                 loss = self.micro_batch_loss(
-                    new_logprobs, entropy, part, part_ref, context.counts, context.step_samples, context.totals
+                    new_logprobs,
+                    entropy,
+                    part,
+                    part_ref,
+                    context.counts,
+                    context.step_samples,
+                    context.totals,
+                    group_size=chunk.group_size,
                 )
                 # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
                 self.booster.backward(loss * self.dp_size, self.optimizer)
@@ -397,7 +409,14 @@ class Trainer:
         new_logprobs, entropy = self.micro_forward.padded_terms(outputs, head_weight, part, with_entropy=True)
         part_ref = None if ref_logprobs is None else ref_logprobs[start : start + size]
         loss = self.micro_batch_loss(
-            new_logprobs, entropy, part, part_ref, context.counts, context.step_samples, context.totals
+            new_logprobs,
+            entropy,
+            part,
+            part_ref,
+            context.counts,
+            context.step_samples,
+            context.totals,
+            group_size=chunk.group_size,
         )
         return loss, new_logprobs
 
@@ -461,18 +480,21 @@ class Trainer:
         counts: tuple[float, float],
         step_samples: int,
         totals: dict[str, float],
+        *,
+        group_size: int,
     ) -> torch.Tensor:
         """The objective of the samples ``micro`` with the step's global (token, sample) ``counts``; adds metrics.
+
+        ``group_size``: samples per prompt group of the chunk ``micro`` was cut from (``micro`` itself, a sample
+        range, says 1); an objective comparing a group's samples gets whole groups (``micro_ranges``).
 
         pi_old is ``micro.old_logprobs`` when set, else ``new_logprobs`` detached (the step's own forward,
         before its update). ``train/entropy`` is summed over the micro-batch's loss tokens and divided by
         the step's global token count, so after the sum over data-parallel ranks it is the mean entropy per
         trained token. ``step_samples``: samples of this rank's step (weights of the mean metrics).
         """
-        from colossal_rl.training.objective import policy_objective
-
         old_logprobs = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
-        loss, metrics = policy_objective(
+        loss, metrics = self.objective(
             new_logprobs=new_logprobs,
             old_logprobs=old_logprobs,
             behaviour_logprobs=micro.behaviour_logprobs,
@@ -484,6 +506,7 @@ class Trainer:
             global_token_count=counts[0],
             global_sample_count=counts[1],
             max_response_length=self.config.generation.max_new_tokens,
+            group_size=group_size,
         )
         totals["train/loss"] = totals.get("train/loss", 0.0) + float(loss.detach())
         trained_tokens = micro.trained_token_mask()

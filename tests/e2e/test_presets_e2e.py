@@ -67,7 +67,7 @@ def trained(tmp_path_factory) -> dict[str, list[dict]]:
     import ray
 
     names = sorted(PRESETS.names())
-    assert set(names) == {"GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO"}
+    assert set(names) == {"GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO", "ONLINE_DPO"}
     save_dir = str(tmp_path_factory.mktemp("presets"))
     try:
         return {name: train_preset(preset_config(name, save_dir)) for name in names}
@@ -96,3 +96,13 @@ def test_gspo_sequence_clip_acts(trained):
     """GSPO clips whole sequences at 1 -3e-4/+4e-4: the second step of a round (pi_old = the round's start)
     must show clipping (measured: clip fractions 0.94 and 0.44; first steps 0, ratio exactly 1)."""
     assert any(r["train/clip_fraction"] > 0 for r in trained["GSPO"])
+
+
+def test_online_dpo_starts_at_the_reference_and_moves_away(trained):
+    """The first step's policy is the reference model: every pair's DPO loss is log 2 exactly; after an update the
+    policy's log-ratios to the reference are no longer zero."""
+    train = trained["ONLINE_DPO"]
+    assert train[0]["train/loss"] == pytest.approx(math.log(2), rel=1e-4)
+    assert train[0]["train/dpo_margin"] == pytest.approx(0.0, abs=1e-4)
+    assert any(abs(r["train/dpo_chosen_log_ratio"]) > 1e-3 for r in train[1:])
+    assert "train/clip_fraction" not in train[0]  # no ratio to pi_old in DPO

@@ -49,7 +49,14 @@ def _loss_and_grad(algorithm: AlgorithmConfig, new_values, old_values, advantage
     tokens = float(micro.response_mask.sum())
     totals: dict[str, float] = {}
     loss = _trainer(algorithm).micro_batch_loss(
-        new, torch.zeros_like(new), micro, None, (tokens, float(micro.num_samples)), micro.num_samples, totals
+        new,
+        torch.zeros_like(new),
+        micro,
+        None,
+        (tokens, float(micro.num_samples)),
+        micro.num_samples,
+        totals,
+        group_size=micro.group_size,
     )
     loss.backward()
     return float(loss), new.grad, totals
