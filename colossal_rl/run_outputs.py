@@ -28,7 +28,10 @@ def write_failed_marker(run_dir: Path, error: BaseException) -> Path:
     """``<run_dir>/FAILED``: the error's type and message (written whole, through a rename)."""
     path = Path(run_dir) / FAILED_MARKER
     staging = path.with_name(f".{FAILED_MARKER}.tmp")
-    staging.write_text(f"{type(error).__name__}: {error}\n", encoding="utf-8")
+    message = str(error)
+    staging.write_text(
+        f"{type(error).__name__}: {message}\n" if message else f"{type(error).__name__}\n", encoding="utf-8"
+    )
     staging.replace(path)
     return path
 

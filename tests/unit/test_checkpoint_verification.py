@@ -145,3 +145,7 @@ def test_failed_marker_holds_the_error(tmp_path):
     assert path == tmp_path / FAILED_MARKER
     assert path.read_text() == "RuntimeError: trainer 0 (train_round) died: boom\n"
     assert [p.name for p in tmp_path.iterdir()] == [FAILED_MARKER], "no staging file left behind"
+
+
+def test_failed_marker_of_an_error_without_message_has_no_dangling_colon(tmp_path):
+    assert write_failed_marker(tmp_path, KeyboardInterrupt()).read_text() == "KeyboardInterrupt\n"
