@@ -219,13 +219,24 @@ def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
 
 
 def prune(checkpoints_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints (``keep <= 0`` keeps all); returns what was deleted."""
+    """Delete all but the newest ``keep`` checkpoints (``keep <= 0`` keeps all), and every incomplete
+    ``step_<N>`` directory older than the newest complete one (an interrupted save nothing can resume from);
+    returns what was deleted, in step order."""
     if keep <= 0:
         return []
-    doomed = complete_checkpoints(checkpoints_dir)[:-keep]
+    complete = complete_checkpoints(checkpoints_dir)
+    doomed = complete[:-keep]
+    if complete:
+        newest = int(complete[-1].name.removeprefix("step_"))
+        doomed += [
+            path
+            for path in checkpoint_dirs(checkpoints_dir)
+            if not (path / STATE_FILE).is_file() and int(path.name.removeprefix("step_")) < newest
+        ]
+    doomed.sort(key=lambda p: int(p.name.removeprefix("step_")))
     for path in doomed:
         shutil.rmtree(path)
-        logger.info("checkpoint removed (save limit %d): %s", keep, path)
+        logger.info("checkpoint removed (save limit %d, or an interrupted save): %s", keep, path)
     return doomed
 
 

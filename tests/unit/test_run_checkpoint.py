@@ -127,3 +127,15 @@ def test_eval_dir_with_files_is_refused_unless_overwrite_is_allowed(tmp_path):
     with pytest.raises(OutputDirError, match="-esd/--eval-save-dir .* --overwrite-eval-dir"):
         prepare_eval_dir(directory, overwrite=False)
     assert prepare_eval_dir(directory, overwrite=True) == directory
+
+
+def test_prune_removes_interrupted_saves_older_than_the_newest_whole_checkpoint(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for step in (2, 4, 8):
+        save(checkpoints, step)
+    for step in (3, 9):  # interrupted saves: a directory without state.json
+        (checkpoints / ckpt.checkpoint_name(step)).mkdir()
+    removed = ckpt.prune(checkpoints, keep=2)
+    assert [p.name for p in removed] == ["step_000002", "step_000003"]
+    # step 9 is newer than every whole checkpoint: it may be a save still being written, so it stays
+    assert [p.name for p in ckpt.checkpoint_dirs(checkpoints)] == ["step_000004", "step_000008", "step_000009"]
