@@ -143,8 +143,9 @@ class ProducerGroup(ActorGroup):
             "restore_weights", lambda actor: actor.restore_weights.remote(policy_version, *stage_weights), ranks
         )
 
-    def join_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> Calls:
-        return self._each("join_weight_sync", lambda actor: actor.join_weight_sync.remote(stage_addresses, world_size))
+    def join_weight_sync(self, routes_by_producer: list) -> Calls:
+        """``routes_by_producer[rank]``: that producer's ``ReceiveRoute`` of every stage (``weight_sync_modes``)."""
+        return self._each("join_weight_sync", lambda actor: actor.join_weight_sync.remote(routes_by_producer))
 
     def produce(self, round_index: int, buffer) -> Calls:
         return self._each("produce", lambda actor: actor.produce.remote(round_index, buffer))
@@ -165,10 +166,9 @@ class TrainerGroup(ActorGroup):
     def weight_sync_address(self, ranks: Sequence[int]) -> Calls:
         return self._each("weight_sync_address", lambda actor: actor.weight_sync_address.remote(), ranks)
 
-    def setup_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int, retain: bool) -> Calls:
-        return self._each(
-            "setup_weight_sync", lambda actor: actor.setup_weight_sync.remote(stage_addresses, world_size, retain)
-        )
+    def setup_weight_sync(self, routes: list, retain: bool) -> Calls:
+        """``routes[stage]``: the ``SendRoute`` of each pipeline stage (``weight_sync_modes``)."""
+        return self._each("setup_weight_sync", lambda actor: actor.setup_weight_sync.remote(routes, retain))
 
     def set_total_steps(self, total_steps: int) -> Calls:
         return self._each("set_total_steps", lambda actor: actor.set_total_steps.remote(total_steps))

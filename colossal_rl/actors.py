@@ -192,26 +192,24 @@ class ProducerActor:
             "startup": self.startup.drain() + self.producer.startup.drain(),
         }
 
-    def join_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int) -> None:
-        """Join every pipeline stage's weight-sync group (one without PP), in stage order."""
+    def join_weight_sync(self, routes_by_producer: list) -> None:
+        """Open this producer's receiver of every pipeline stage (``comm/weight_sync_modes.py``), in stage order."""
         from colossal_rl.comm.process_group import default_device
-        from colossal_rl.comm.weight_sync import join_as_receiver, stage_group_name
+        from colossal_rl.comm.weight_sync import stage_group_name
+        from colossal_rl.comm.weight_sync_modes import open_receiver
 
         for receiver in self.receivers:  # a group formed again (after a producer restarted) replaces the old one
             receiver.close()
-        # On GPUs the weights arrive over NCCL into this actor's GPU; on CPU over gloo.
+        # On GPUs broadcast weights arrive over NCCL into this actor's GPU; on CPU over gloo.
         self.receivers = [
-            join_as_receiver(
-                host=host,
-                port=port,
-                rank=self.rank + 1,
-                world_size=world_size,
+            open_receiver(
+                route,
                 timeout_s=self.config.run.timeout_s,
                 transport=self.config.run.weight_sync_backend,
-                name=stage_group_name(stage),
+                group_name=stage_group_name(route.stage),
                 device=default_device(),
             )
-            for stage, (host, port) in enumerate(stage_addresses)
+            for route in routes_by_producer[self.rank]
         ]
 
     def receive_weights(self, policy_version: int) -> None:
@@ -298,13 +296,15 @@ class TrainerActor:
     def weight_sync_address(self) -> tuple[str, int]:
         return node_address(), free_port()
 
-    def setup_weight_sync(self, stage_addresses: list[tuple[str, int]], world_size: int, retain: bool = True) -> list:
-        """Every rank takes part in gathering the weights; each pipeline stage's sender hosts that stage's group.
+    def setup_weight_sync(self, routes: list, retain: bool = True) -> list:
+        """Every rank takes part in gathering the weights; each pipeline stage's sender opens that stage's route
+        (``comm/weight_sync_modes.py``: a broadcast group it hosts, a shared-memory region or sync files).
 
-        Formed again after a producer restarted (the old group is closed first). Returns :meth:`_retain`'s
+        Formed again after a producer restarted (the old one is closed first). Returns :meth:`_retain`'s
         copy of the weights held now when ``retain``."""
         from colossal_rl.comm.process_group import default_device
-        from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
+        from colossal_rl.comm.weight_sync import stage_group_name
+        from colossal_rl.comm.weight_sync_modes import open_sender
 
         state, stage = self.trainer.stage_state_dict(), self.trainer.sync_stage
         if (state is None) != (stage is None):
@@ -315,15 +315,12 @@ class TrainerActor:
             self.sender.close()
             self.sender = None
         if state is not None:
-            host, port = stage_addresses[stage]
-            self.sender = host_as_sender(
-                host=host,
-                port=port,
-                world_size=world_size,
-                state_dict=state,
+            self.sender = open_sender(
+                routes[stage],
+                state,
                 timeout_s=self.config.run.timeout_s,
                 transport=self.config.run.weight_sync_backend,
-                name=stage_group_name(stage),
+                group_name=stage_group_name(stage),
                 device=default_device(),
             )
         return self._retain(state) if retain else []

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.actor_groups import Call, Calls, RunFailed, call_outcome, gather, spawn_actors
 from colossal_rl.comm.sync_stages import stage_senders
+from colossal_rl.comm.weight_sync_modes import plan_routes
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
@@ -149,6 +150,10 @@ class Driver:
         self.retained_weights: list = []
         """Object-store copies (one per sync stage) of the last synced version's weights: a restarted producer's."""
         self.producer_pids: list[int | None] = [None] * len(self.producers)
+        self.producer_nodes: list[str] = []
+        self.trainer_nodes: list[str] = []
+        """Ray node ids (by rank): whether a producer can read a sender's shared memory (``--weight-sync-mode``)."""
+        self.sync_formations = 0
         self.producer_restarts = [0] * len(self.producers)
         self.last_saved_step = 0
         self.final_model_dir: Path | None = None
@@ -172,6 +177,8 @@ class Driver:
             raise RunFailed(f"producers loaded different numbers of training prompts: {sorted(train_rows)}")
         (self.train_rows,) = train_rows
         self.producer_pids = [info["pid"] for info in ready[: len(self.producers)]]
+        self.producer_nodes = [info["node_id"] for info in ready[: len(self.producers)]]
+        self.trainer_nodes = [info["node_id"] for info in ready[len(self.producers) :]]
         dropped = ready[0]["dropped_overlong"]
         self.metrics.log("data", 0, {"data/train_prompts": self.train_rows, "data/dropped_overlong_prompts": dropped})
         for name, info in zip(self.producers.names + self.trainers.names, ready, strict=True):
@@ -192,13 +199,21 @@ class Driver:
         logger.info("actors ready in %.1fs", time.perf_counter() - started)
 
     def _form_weight_sync(self, *, retain: bool) -> None:
-        """(Re)form every pipeline stage's weight-sync group: its sender trainer hosts it, every producer joins.
-        ``retain``: keep the senders' copy of the weights they hold (the current version's)."""
+        """(Re)form every pipeline stage's weight sync (``--weight-sync-mode``): its sender trainer hosts a group,
+        a shared-memory region or sync files, every producer joins. ``retain``: keep the senders' copy of the
+        weights they hold (the current version's)."""
         addresses = gather(self.trainers.weight_sync_address(self.sync_senders), self.timeout)
-        world = 1 + len(self.producers)
+        self.sync_formations += 1
+        send_routes, receive_routes = plan_routes(
+            self.config.run.weight_sync_mode,
+            sender_nodes=[self.trainer_nodes[rank] for rank in self.sync_senders],
+            producer_nodes=self.producer_nodes,
+            addresses=addresses,
+            run_dir=self.run_dir,
+            formation=self.sync_formations,
+        )
         results = gather(
-            self.trainers.setup_weight_sync(addresses, world, retain)
-            + self.producers.join_weight_sync(addresses, world),
+            self.trainers.setup_weight_sync(send_routes, retain) + self.producers.join_weight_sync(receive_routes),
             self.timeout,
         )
         if retain:
@@ -262,6 +277,7 @@ class Driver:
         for rank, info in zip(suspects, infos, strict=True):
             if rank in restarted:
                 self.producer_pids[rank] = info["pid"]
+                self.producer_nodes[rank] = info["node_id"]  # Ray may have placed it on another node
         return restarted
 
     def _producers_alive(self, ranks: list[int], failure: RunFailed) -> list[dict]:

@@ -1,0 +1,217 @@
+"""Weight sync through a double-buffered shared-memory region (``--weight-sync-mode shm``), one host only.
+
+The sender owns one file under ``/dev/shm`` per pipeline stage: two slots, each laid out like the broadcast's
+single bucket (``weight_sync.plan_buckets`` with no size limit): a 16-byte stamp ``[version, plan checksum]``
+then every tensor, aligned. Beside it, ``<region>.layout.json`` (the ``WeightLayout``, written atomically) and
+one lock file per slot.
+
+A slot is written only under an exclusive ``flock`` on its lock file; its stamp is set to -1 first and to the
+version last. A receiver takes a shared lock on the slot it reads and holds it until its next ``receive``, so
+the returned tensors are zero-copy views into the slot that the sender cannot overwrite meanwhile (the sender
+writes the other slot, then waits for the readers to move on). A reader therefore sees version v or v + 1
+whole, never a torn mix. Every wait is bounded by ``timeout_s`` and its error names the region.
+
+Nothing here forms a collective or knows about Ray; producers on other hosts use the broadcast
+(``weight_sync_modes.py`` decides who reads what).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from colossal_rl.comm.weight_sync import (
+    ALIGNMENT_BYTES,
+    HEADER_BYTES,
+    Bucket,
+    WeightLayout,
+    plan_buckets,
+    plan_checksum,
+    unpack_bucket,
+)
+
+logger = logging.getLogger(__name__)
+
+SHM_ROOT = Path("/dev/shm")
+NUM_SLOTS = 2
+POLL_INTERVAL_S = 0.002
+UNWRITTEN = -1  # a slot's stamp while it is being written (and before its first write)
+
+
+def region_paths(region: str | Path) -> tuple[Path, Path, list[Path]]:
+    """The data file, the layout file and the per-slot lock files of ``region`` (a path without suffix)."""
+    base = Path(region)
+    return (
+        base.with_name(base.name + ".data"),
+        base.with_name(base.name + ".layout.json"),
+        [base.with_name(f"{base.name}.slot{slot}.lock") for slot in range(NUM_SLOTS)],
+    )
+
+
+def single_bucket(layout: WeightLayout) -> tuple[Bucket, int]:
+    """The whole layout as one bucket (stamp first) and the slot size in bytes, rounded up to the alignment."""
+    (bucket,) = plan_buckets(layout, max(layout.total_bytes * 2, 1) + ALIGNMENT_BYTES * (len(layout.tensors) + 2))
+    return bucket, -(-bucket.nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+
+
+def _slot_stamp(data: torch.Tensor, slot: int, slot_bytes: int) -> torch.Tensor:
+    return data[slot * slot_bytes : slot * slot_bytes + HEADER_BYTES].view(torch.int64)
+
+
+def _lock(fd: int, mode: int, deadline: float, what: str) -> None:
+    """``flock`` without blocking past ``deadline`` (flock itself has no timeout)."""
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(what) from None
+            time.sleep(POLL_INTERVAL_S)
+
+
+class SharedMemorySender:
+    """Writes every sync into the slot not holding the newest version; removes the region on ``close``."""
+
+    def __init__(self, region: str | Path, layout: WeightLayout, timeout_s: float):
+        self.region = str(region)
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.bucket, self.slot_bytes = single_bucket(layout)
+        self.checksum = plan_checksum(layout, self.slot_bytes)
+        data_path, layout_path, lock_paths = region_paths(region)
+        self._paths = [data_path, layout_path, *lock_paths]
+        self._lock_fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in lock_paths]
+        size = NUM_SLOTS * self.slot_bytes
+        with open(data_path, "wb") as file:
+            file.truncate(size)
+        self._data = torch.from_file(str(data_path), shared=True, size=size, dtype=torch.uint8)
+        self._slots = [self._data[s * self.slot_bytes : s * self.slot_bytes + self.bucket.nbytes] for s in range(2)]
+        self._views = [unpack_bucket(self.bucket, slot).values() for slot in self._slots]
+        for slot in range(NUM_SLOTS):
+            _slot_stamp(self._data, slot, self.slot_bytes).copy_(torch.tensor([UNWRITTEN, self.checksum]))
+        temporary = layout_path.with_name(layout_path.name + f".tmp{os.getpid()}")
+        temporary.write_text(layout.to_json(), encoding="utf-8")
+        os.replace(temporary, layout_path)  # last: a receiver that sees the layout finds the data file complete
+        self.last_policy_version: int | None = None
+        self._next_slot = 0
+        logger.info("shared-memory weight sync %s: %.1f MB per slot", self.region, self.bucket.nbytes / 1e6)
+
+    def send(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Write ``state_dict`` as ``policy_version``; waits (bounded) for readers of that slot's old version."""
+        if self.last_policy_version is not None and policy_version <= self.last_policy_version:
+            raise ValueError(
+                f"weight versions must increase: sent {self.last_policy_version}, now asked to send {policy_version}"
+            )
+        self.layout.check(state_dict)
+        slot = self._next_slot
+        stamp = _slot_stamp(self._data, slot, self.slot_bytes)
+        deadline = time.monotonic() + self.timeout_s
+        _lock(
+            self._lock_fds[slot],
+            fcntl.LOCK_EX,
+            deadline,
+            f"shared-memory weight sync {self.region}: a reader still holds version {int(stamp[0])} in slot {slot} "
+            f"after {self.timeout_s:.0f}s; cannot write version {policy_version}",
+        )
+        try:
+            stamp[0] = UNWRITTEN
+            with torch.no_grad():
+                slot_views = list(self._views[slot])
+                torch._foreach_copy_(slot_views, [state_dict[s.spec.name] for s in self.bucket.slots])
+            stamp[0] = policy_version  # last: the slot is whole from here on
+        finally:
+            fcntl.flock(self._lock_fds[slot], fcntl.LOCK_UN)
+        self._next_slot = 1 - slot
+        self.last_policy_version = policy_version
+
+    def close(self) -> None:
+        for fd in self._lock_fds:
+            os.close(fd)
+        self._lock_fds = []
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+
+
+class SharedMemoryReceiver:
+    """Reads the newest whole version from the sender's region; holds a shared lock on it until the next receive."""
+
+    def __init__(self, region: str | Path, timeout_s: float):
+        self.region = str(region)
+        self.timeout_s = timeout_s
+        data_path, layout_path, lock_paths = region_paths(region)
+        deadline = time.monotonic() + timeout_s
+        while not layout_path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shared-memory weight sync {self.region}: no sender created it in {timeout_s:.0f}s")
+            time.sleep(POLL_INTERVAL_S * 10)
+        self.layout = WeightLayout.from_json(layout_path.read_text(encoding="utf-8"))
+        self.bucket, self.slot_bytes = single_bucket(self.layout)
+        self.checksum = plan_checksum(self.layout, self.slot_bytes)
+        self._lock_fds = [os.open(path, os.O_RDWR) for path in lock_paths]
+        self._data = torch.from_file(str(data_path), shared=True, size=NUM_SLOTS * self.slot_bytes, dtype=torch.uint8)
+        self._views = [
+            unpack_bucket(self.bucket, self._data[s * self.slot_bytes : s * self.slot_bytes + self.bucket.nbytes])
+            for s in range(NUM_SLOTS)
+        ]
+        self._held: int | None = None  # the slot this receiver holds a shared lock on
+        self.last_policy_version: int | None = None
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """Wait (bounded) for a version newer than the last received; return it as views valid until the next call."""
+        self._release()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            slot = self._newest_slot()
+            if slot is not None:
+                try:
+                    _lock(self._lock_fds[slot], fcntl.LOCK_SH, time.monotonic(), "")
+                except TimeoutError:  # the sender is writing it right now
+                    slot = None
+            if slot is not None:
+                version, checksum = _slot_stamp(self._data, slot, self.slot_bytes).tolist()
+                if checksum != self.checksum:
+                    fcntl.flock(self._lock_fds[slot], fcntl.LOCK_UN)
+                    raise RuntimeError(f"shared-memory weight sync {self.region}: plan checksum {checksum} differs")
+                if version != UNWRITTEN and self._is_new(version):
+                    self._held = slot
+                    self.last_policy_version = version
+                    return version, dict(self._views[slot])
+                fcntl.flock(self._lock_fds[slot], fcntl.LOCK_UN)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"shared-memory weight sync {self.region}: no version newer than {self.last_policy_version} "
+                    f"within {self.timeout_s:.0f}s"
+                )
+            time.sleep(POLL_INTERVAL_S)
+
+    def _newest_slot(self) -> int | None:
+        """The slot whose stamp (read without a lock: a hint, checked again under the lock) is newest and new."""
+        versions = [int(_slot_stamp(self._data, slot, self.slot_bytes)[0]) for slot in range(NUM_SLOTS)]
+        newest = max(range(NUM_SLOTS), key=lambda slot: versions[slot])
+        return newest if versions[newest] != UNWRITTEN and self._is_new(versions[newest]) else None
+
+    def _is_new(self, version: int) -> bool:
+        return self.last_policy_version is None or version > self.last_policy_version
+
+    def _release(self) -> None:
+        if self._held is not None:
+            fcntl.flock(self._lock_fds[self._held], fcntl.LOCK_UN)
+            self._held = None
+
+    def close(self) -> None:
+        self._release()
+        for fd in self._lock_fds:
+            os.close(fd)
+        self._lock_fds = []
+
+
+def host_shared_memory(region: str | Path, state_dict: Mapping[str, torch.Tensor], timeout_s: float):
+    """The sender of ``region`` for state dicts shaped like ``state_dict``."""
+    return SharedMemorySender(region, WeightLayout.from_state_dict(state_dict), timeout_s)

@@ -1,0 +1,176 @@
+"""Which path each pipeline stage's weights take to each producer (``--weight-sync-mode``), and opening it.
+
+``plan_routes`` is pure: given the mode, where the senders and producers run and the broadcast addresses, it
+says per stage what the sender sets up (``SendRoute``) and per producer and stage how it receives
+(``ReceiveRoute``). ``broadcast``: every producer joins the stage's group (``weight_sync.py``). ``shm``:
+producers on the sender's node read ``shared_memory_sync.py``'s region; the others join a broadcast group of
+just them (ranks renumbered 1..n). ``checkpoint``: every producer loads ``file_sync.py``'s files.
+
+Every formation of the sync (the start, and again after a producer restarted) gets fresh region names and
+file prefixes, so a receiver never mistakes a file or slot of an earlier formation for the sync it waits for.
+All senders and receivers share one interface: ``send(state_dict, policy_version)`` / ``receive() ->
+(policy_version, name -> tensor)``, ``close()``, ``last_policy_version``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHT_SYNC_DIR = "weight_sync"  # inside the run directory, for the checkpoint mode
+RouteKind = Literal["broadcast", "shm", "checkpoint"]
+
+
+@dataclass(frozen=True)
+class SendRoute:
+    """What one stage's sender sets up: a broadcast group (if anyone reads it), a region, or files."""
+
+    stage: int
+    broadcast_world_size: int  # 1 + producers receiving by broadcast; 1: no group is formed
+    address: tuple[str, int] | None
+    shm_region: str | None = None
+    checkpoint_dir: str | None = None
+    file_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class ReceiveRoute:
+    """How one producer receives one stage's weights."""
+
+    kind: RouteKind
+    stage: int
+    rank: int = 0  # in the broadcast group
+    world_size: int = 1
+    address: tuple[str, int] | None = None
+    location: str = ""  # shm region, or checkpoint directory
+    file_prefix: str = ""
+
+
+def shm_readers(sender_node: str, producer_nodes: Sequence[str]) -> list[bool]:
+    """Per producer: True if it runs on the sender's node (reads shared memory), False if it needs the broadcast."""
+    return [node == sender_node for node in producer_nodes]
+
+
+def region_name(run_dir: str | Path, formation: int, stage: int, shm_root: str | Path = "/dev/shm") -> str:
+    """Unique per run (run directory hash, driver pid), formation and stage."""
+    run_hash = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return str(Path(shm_root) / f"colossal_rl-{run_hash}-{os.getpid()}-f{formation}-s{stage}")
+
+
+def plan_routes(
+    mode: RouteKind,
+    *,
+    sender_nodes: Sequence[str],
+    producer_nodes: Sequence[str],
+    addresses: Sequence[tuple[str, int]],
+    run_dir: str | Path,
+    formation: int,
+) -> tuple[list[SendRoute], list[list[ReceiveRoute]]]:
+    """Per stage its ``SendRoute``; per producer (rank order) its ``ReceiveRoute`` of every stage."""
+    if len(sender_nodes) != len(addresses):
+        raise ValueError(f"{len(sender_nodes)} sender nodes but {len(addresses)} broadcast addresses")
+    sends: list[SendRoute] = []
+    receives: list[list[ReceiveRoute]] = [[] for _ in producer_nodes]
+    for stage, (sender_node, address) in enumerate(zip(sender_nodes, addresses, strict=True)):
+        if mode == "checkpoint":
+            directory, prefix = str(Path(run_dir) / WEIGHT_SYNC_DIR), f"f{formation}-stage{stage}"
+            sends.append(SendRoute(stage, 1, None, checkpoint_dir=directory, file_prefix=prefix))
+            for routes in receives:
+                routes.append(ReceiveRoute("checkpoint", stage, location=directory, file_prefix=prefix))
+            continue
+        local = shm_readers(sender_node, producer_nodes) if mode == "shm" else [False] * len(producer_nodes)
+        world = 1 + local.count(False)
+        region = region_name(run_dir, formation, stage) if any(local) else None
+        sends.append(SendRoute(stage, world, address if world > 1 else None, shm_region=region))
+        broadcast_rank = 0
+        for routes, on_host in zip(receives, local, strict=True):
+            if on_host:
+                routes.append(ReceiveRoute("shm", stage, location=region or ""))
+            else:
+                broadcast_rank += 1
+                routes.append(ReceiveRoute("broadcast", stage, broadcast_rank, world, address))
+    return sends, receives
+
+
+class FanOutSender:
+    """Several senders of one stage (shared memory for local producers, broadcast for the rest) as one."""
+
+    def __init__(self, senders: Sequence):
+        self.senders = list(senders)
+        self.last_policy_version: int | None = None
+
+    def send(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        for sender in self.senders:  # shared memory first: it does not wait for anyone
+            sender.send(state_dict, policy_version)
+        self.last_policy_version = policy_version
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
+
+
+def open_sender(
+    route: SendRoute,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    timeout_s: float,
+    transport: str,
+    group_name: str,
+    device: torch.device | str,
+):
+    """The sender ``route`` asks for (collective for the broadcast part: every broadcast receiver joins)."""
+    from colossal_rl.comm.file_sync import FileSender
+    from colossal_rl.comm.shared_memory_sync import host_shared_memory
+    from colossal_rl.comm.weight_sync import host_as_sender
+
+    if route.checkpoint_dir is not None:
+        return FileSender(route.checkpoint_dir, route.file_prefix)
+    senders = []
+    if route.shm_region is not None:
+        senders.append(host_shared_memory(route.shm_region, state_dict, timeout_s))
+    if route.broadcast_world_size > 1:
+        assert route.address is not None
+        host, port = route.address
+        senders.append(
+            host_as_sender(
+                host=host,
+                port=port,
+                world_size=route.broadcast_world_size,
+                state_dict=state_dict,
+                timeout_s=timeout_s,
+                transport=transport,
+                name=group_name,
+                device=device,
+            )
+        )
+    return senders[0] if len(senders) == 1 else FanOutSender(senders)
+
+
+def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, group_name: str, device):
+    from colossal_rl.comm.file_sync import FileReceiver
+    from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver
+    from colossal_rl.comm.weight_sync import join_as_receiver
+
+    if route.kind == "checkpoint":
+        return FileReceiver(route.location, route.file_prefix, timeout_s)
+    if route.kind == "shm":
+        return SharedMemoryReceiver(route.location, timeout_s)
+    assert route.address is not None
+    host, port = route.address
+    return join_as_receiver(
+        host=host,
+        port=port,
+        rank=route.rank,
+        world_size=route.world_size,
+        timeout_s=timeout_s,
+        transport=transport,
+        name=group_name,
+        device=device,
+    )

@@ -1,0 +1,285 @@
+"""``--weight-sync-mode``: who reads what (``weight_sync_modes``), shared memory (no torn reads), sync files."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from colossal_rl.comm.file_sync import FileReceiver, FileSender, sync_file_name, sync_files
+from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver, SharedMemorySender, region_paths
+from colossal_rl.comm.weight_sync import WeightLayout
+from colossal_rl.comm.weight_sync_modes import (
+    FanOutSender,
+    ReceiveRoute,
+    SendRoute,
+    open_receiver,
+    open_sender,
+    plan_routes,
+    region_name,
+    shm_readers,
+)
+
+
+def state_dict(fill: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    return {
+        "embed.weight": torch.full((64, 32), fill, dtype=dtype),
+        "layer.bias": torch.full((7,), fill, dtype=torch.bfloat16),
+        "layer.weight": torch.full((256, 129), fill, dtype=dtype),
+        "step": torch.full((1,), int(fill), dtype=torch.int64),
+    }
+
+
+def one_version(tensors: dict[str, torch.Tensor]) -> set[float]:
+    return {float(value) for tensor in tensors.values() for value in tensor.float().unique().tolist()}
+
+
+@pytest.fixture
+def region(tmp_path: Path) -> str:
+    return str(tmp_path / "region")  # a real /dev/shm region in production; any directory works the same
+
+
+# ---------------------------------------------------------------- who reads what
+def test_shm_readers_are_the_producers_on_the_senders_node():
+    assert shm_readers("node-a", ["node-a", "node-b", "node-a"]) == [True, False, True]
+
+
+def test_shm_plan_puts_off_host_producers_in_a_broadcast_group_of_just_them():
+    sends, receives = plan_routes(
+        "shm",
+        sender_nodes=["node-a"],
+        producer_nodes=["node-a", "node-b", "node-a", "node-c"],
+        addresses=[("10.0.0.1", 1234)],
+        run_dir="/runs/x",
+        formation=1,
+    )
+    (send,) = sends
+    assert send.broadcast_world_size == 3 and send.address == ("10.0.0.1", 1234) and send.shm_region
+    kinds = [routes[0].kind for routes in receives]
+    assert kinds == ["shm", "broadcast", "shm", "broadcast"]
+    assert [(r[0].rank, r[0].world_size) for r in receives if r[0].kind == "broadcast"] == [(1, 3), (2, 3)]
+    assert {r[0].location for r in receives if r[0].kind == "shm"} == {send.shm_region}
+
+
+def test_shm_plan_with_every_producer_on_host_forms_no_group():
+    sends, receives = plan_routes(
+        "shm", sender_nodes=["a"], producer_nodes=["a", "a"], addresses=[("h", 1)], run_dir="/r", formation=1
+    )
+    assert sends[0].broadcast_world_size == 1 and sends[0].address is None
+    assert all(routes[0].kind == "shm" for routes in receives)
+
+
+def test_broadcast_plan_is_todays_group_and_checkpoint_plan_has_none():
+    addresses = [("h", 1), ("h", 2)]
+    sends, receives = plan_routes(
+        "broadcast", sender_nodes=["a", "b"], producer_nodes=["a", "c"], addresses=addresses, run_dir="/r", formation=1
+    )
+    assert [s.broadcast_world_size for s in sends] == [3, 3] and [s.shm_region for s in sends] == [None, None]
+    assert [[(r.stage, r.rank, r.address) for r in routes] for routes in receives] == [
+        [(0, 1, ("h", 1)), (1, 1, ("h", 2))],
+        [(0, 2, ("h", 1)), (1, 2, ("h", 2))],
+    ]
+    sends, receives = plan_routes(
+        "checkpoint", sender_nodes=["a", "b"], producer_nodes=["a", "c"], addresses=addresses, run_dir="/r", formation=2
+    )
+    assert [(s.broadcast_world_size, s.checkpoint_dir, s.file_prefix) for s in sends] == [
+        (1, "/r/weight_sync", "f2-stage0"),
+        (1, "/r/weight_sync", "f2-stage1"),
+    ]
+    assert all(r.kind == "checkpoint" for routes in receives for r in routes)
+
+
+def test_region_names_differ_per_run_formation_and_stage():
+    names = {region_name("/runs/a", 1, 0), region_name("/runs/b", 1, 0), region_name("/runs/a", 2, 0)}
+    names.add(region_name("/runs/a", 1, 1))
+    assert len(names) == 4 and all(name.startswith("/dev/shm/colossal_rl-") for name in names)
+    assert str(os.getpid()) in region_name("/runs/a", 1, 0)
+
+
+# ---------------------------------------------------------------- shared memory
+def test_shm_round_trip_views_and_cleanup(region: str):
+    sender = SharedMemorySender(region, WeightLayout.from_state_dict(state_dict(0.0)), timeout_s=5)
+    receiver = SharedMemoryReceiver(region, timeout_s=5)
+    for version in (1, 2, 3):
+        sender.send(state_dict(float(version)), version)
+        received_version, tensors = receiver.receive()
+        assert received_version == version and one_version(tensors) == {float(version)}
+        assert list(tensors) == list(state_dict(0.0))
+        assert tensors["layer.bias"].dtype == torch.bfloat16
+    receiver.close()
+    sender.close()
+    data, layout, locks = region_paths(region)
+    assert not any(path.exists() for path in (data, layout, *locks))
+
+
+def test_shm_receiver_waits_for_a_newer_version_and_times_out_naming_the_region(region: str):
+    sender = SharedMemorySender(region, WeightLayout.from_state_dict(state_dict(0.0)), timeout_s=5)
+    receiver = SharedMemoryReceiver(region, timeout_s=0.2)
+    sender.send(state_dict(1.0), 1)
+    assert receiver.receive()[0] == 1
+    with pytest.raises(TimeoutError, match=f"{region}.*no version newer than 1"):
+        receiver.receive()
+    receiver.close()
+    sender.close()
+
+
+def test_shm_receiver_without_a_sender_times_out_naming_the_region(region: str):
+    with pytest.raises(TimeoutError, match=f"{region}: no sender"):
+        SharedMemoryReceiver(region, timeout_s=0.1)
+
+
+def test_shm_sender_refuses_to_overwrite_a_slot_a_reader_still_holds(region: str):
+    sender = SharedMemorySender(region, WeightLayout.from_state_dict(state_dict(0.0)), timeout_s=0.2)
+    receiver = SharedMemoryReceiver(region, timeout_s=5)
+    sender.send(state_dict(1.0), 1)
+    _, held = receiver.receive()  # holds slot 0
+    sender.send(state_dict(2.0), 2)  # slot 1: free
+    with pytest.raises(TimeoutError, match="a reader still holds version 1"):
+        sender.send(state_dict(3.0), 3)
+    assert one_version(held) == {1.0}  # untouched
+    assert receiver.receive()[0] == 2  # moving on releases slot 0
+    sender.send(state_dict(3.0), 3)
+    receiver.close()
+    sender.close()
+
+
+def _write_versions(region: str, versions: int, started, timeout_s: float) -> None:
+    sender = SharedMemorySender(region, WeightLayout.from_state_dict(state_dict(0.0)), timeout_s=timeout_s)
+    started.set()
+    for version in range(1, versions + 1):
+        sender.send(state_dict(float(version)), version)
+    time.sleep(1.0)  # let the reader see the last one before the region goes
+    sender.close()
+
+
+def test_a_reader_racing_a_writer_process_sees_one_whole_version_every_time(region: str):
+    """A writer process writes versions 1..N back to back while this process reads: every read is one version."""
+    versions = 150
+    context = multiprocessing.get_context("spawn")
+    started = context.Event()
+    writer = context.Process(target=_write_versions, args=(region, versions, started, 30.0))
+    writer.start()
+    try:
+        assert started.wait(60)
+        receiver = SharedMemoryReceiver(region, timeout_s=30)
+        seen = []
+        while not seen or seen[-1] < versions:
+            version, tensors = receiver.receive()
+            fills = one_version(tensors)  # read while the writer keeps writing the other slot
+            assert fills == {float(version)}, f"torn read: version {version} holds {sorted(fills)}"
+            seen.append(version)
+        receiver.close()
+    finally:
+        writer.join(60)
+    assert writer.exitcode == 0
+    assert seen == sorted(set(seen))
+
+
+def test_shm_readers_in_threads_never_see_a_torn_version(region: str):
+    sender = SharedMemorySender(region, WeightLayout.from_state_dict(state_dict(0.0)), timeout_s=30)
+    errors: list[str] = []
+
+    def read() -> None:
+        receiver = SharedMemoryReceiver(region, timeout_s=30)
+        last = 0
+        while last < 60:
+            version, tensors = receiver.receive()
+            if one_version(tensors) != {float(version)}:
+                errors.append(f"version {version}: {sorted(one_version(tensors))}")
+            last = version
+        receiver.close()
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for reader in readers:
+        reader.start()
+    for version in range(1, 61):
+        sender.send(state_dict(float(version)), version)
+    for reader in readers:
+        reader.join(60)
+    sender.close()
+    assert errors == []
+
+
+# ---------------------------------------------------------------- sync files
+def test_file_sync_round_trip_keeps_the_newest_two_and_cleans_up(tmp_path: Path):
+    sender = FileSender(tmp_path / "weight_sync", "f1-stage0")
+    receiver = FileReceiver(tmp_path / "weight_sync", "f1-stage0", timeout_s=5)
+    for version in (1, 2, 3, 4):
+        sender.send(state_dict(float(version)), version)
+        received_version, tensors = receiver.receive()
+        assert received_version == version and one_version(tensors) == {float(version)}
+        assert tensors["layer.bias"].dtype == torch.bfloat16
+    assert [version for version, _ in sync_files(tmp_path / "weight_sync", "f1-stage0")] == [3, 4]
+    assert not [p for p in (tmp_path / "weight_sync").iterdir() if ".tmp" in p.name]
+    sender.close()
+    assert not (tmp_path / "weight_sync").exists()  # emptied and removed
+
+
+def test_file_receiver_takes_the_newest_and_ignores_other_prefixes(tmp_path: Path):
+    FileSender(tmp_path, "f1-stage0").send(state_dict(9.0), 9)  # an earlier formation's file
+    sender = FileSender(tmp_path, "f2-stage0")
+    receiver = FileReceiver(tmp_path, "f2-stage0", timeout_s=5)
+    sender.send(state_dict(1.0), 1)
+    sender.send(state_dict(2.0), 2)
+    assert receiver.receive()[0] == 2
+
+
+def test_file_receiver_times_out_naming_the_files(tmp_path: Path):
+    receiver = FileReceiver(tmp_path / "weight_sync", "f1-stage0", timeout_s=0.1)
+    with pytest.raises(TimeoutError, match=r"weight_sync/f1-stage0-v\*\.safetensors: no version newer than None"):
+        receiver.receive()
+
+
+def test_file_write_is_atomic_a_reader_never_sees_a_partial_file(tmp_path: Path, monkeypatch):
+    """The file appears under its name only once whole: a crash while writing leaves no file and no temp."""
+    import colossal_rl.comm.file_sync as file_sync
+
+    def crash(tensors, path, metadata):
+        Path(path).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(file_sync, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        FileSender(tmp_path, "f1-stage0").send(state_dict(1.0), 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_sender_handles_tied_weights(tmp_path: Path):
+    shared = torch.ones(4, 4)
+    FileSender(tmp_path, "p").send({"embed": shared, "lm_head": shared}, 1)
+    version, tensors = FileReceiver(tmp_path, "p", timeout_s=1).receive()
+    assert version == 1 and set(tensors) == {"embed", "lm_head"}
+    assert (tmp_path / sync_file_name("p", 1)).exists()
+
+
+# ---------------------------------------------------------------- one interface for all
+def test_fan_out_sender_feeds_shm_and_files_through_open_sender_and_open_receiver(tmp_path: Path):
+    region = str(tmp_path / "region")
+    shm = open_sender(
+        SendRoute(0, 1, None, shm_region=region), state_dict(0.0), timeout_s=5, transport="torch", group_name="g",
+        device="cpu",
+    )  # fmt: skip
+    files = open_sender(
+        SendRoute(0, 1, None, checkpoint_dir=str(tmp_path / "ws"), file_prefix="f1-stage0"),
+        state_dict(0.0), timeout_s=5, transport="torch", group_name="g", device="cpu",
+    )  # fmt: skip
+    sender = FanOutSender([shm, files])
+    receivers = [
+        open_receiver(ReceiveRoute("shm", 0, location=region), timeout_s=5, transport="torch", group_name="g",
+                      device="cpu"),
+        open_receiver(ReceiveRoute("checkpoint", 0, location=str(tmp_path / "ws"), file_prefix="f1-stage0"),
+                      timeout_s=5, transport="torch", group_name="g", device="cpu"),
+    ]  # fmt: skip
+    sender.send(state_dict(5.0), 5)
+    assert sender.last_policy_version == 5
+    for receiver in receivers:
+        version, tensors = receiver.receive()
+        assert version == 5 and one_version(tensors) == {5.0}
+        assert receiver.last_policy_version == 5
+        receiver.close()
+    sender.close()
