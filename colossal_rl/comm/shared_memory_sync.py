@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -42,6 +43,9 @@ SHM_ROOT = Path("/dev/shm")
 NUM_SLOTS = 2
 POLL_INTERVAL_S = 0.002
 UNWRITTEN = -1  # a slot's stamp while it is being written (and before its first write)
+COPY_PIECE_BYTES = 32 * 2**20
+# Two threads copy ~1.4x faster than one on the 2-core test VM (988 MB: 0.13 s vs 0.18 s); more gave nothing there.
+DEFAULT_COPY_THREADS = min(2, os.cpu_count() or 1)
 
 
 def region_paths(region: str | Path) -> tuple[Path, Path, list[Path]]:
@@ -64,6 +68,25 @@ def _slot_stamp(data: torch.Tensor, slot: int, slot_bytes: int) -> torch.Tensor:
     return data[slot * slot_bytes : slot * slot_bytes + HEADER_BYTES].view(torch.int64)
 
 
+def copy_pieces(
+    destinations: list[torch.Tensor], sources: list[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs of at most ``COPY_PIECE_BYTES`` each, so several threads can share one big copy.
+
+    A source that is not a contiguous host tensor (a GPU or strided one) stays one whole-tensor pair."""
+    pieces = []
+    for destination, source in zip(destinations, sources, strict=True):
+        source = source.detach()
+        if source.device.type != "cpu" or not source.is_contiguous() or source.numel() == 0:
+            pieces.append((destination, source))
+            continue
+        flat_destination, flat_source = destination.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
+        for start in range(0, flat_source.numel(), COPY_PIECE_BYTES):
+            end = start + COPY_PIECE_BYTES
+            pieces.append((flat_destination[start:end], flat_source[start:end]))
+    return pieces
+
+
 def _lock(fd: int, mode: int, deadline: float, what: str) -> None:
     """``flock`` without blocking past ``deadline`` (flock itself has no timeout)."""
     while True:
@@ -79,8 +102,11 @@ def _lock(fd: int, mode: int, deadline: float, what: str) -> None:
 class SharedMemorySender:
     """Writes every sync into the slot not holding the newest version; removes the region on ``close``."""
 
-    def __init__(self, region: str | Path, layout: WeightLayout, timeout_s: float):
+    def __init__(
+        self, region: str | Path, layout: WeightLayout, timeout_s: float, copy_threads: int = DEFAULT_COPY_THREADS
+    ):
         self.region = str(region)
+        self._pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="shm-sync-copy") if copy_threads > 1 else None
         self.layout = layout
         self.timeout_s = timeout_s
         self.bucket, self.slot_bytes = single_bucket(layout)
@@ -122,16 +148,24 @@ class SharedMemorySender:
         )
         try:
             stamp[0] = UNWRITTEN
-            with torch.no_grad():
-                slot_views = list(self._views[slot])
-                torch._foreach_copy_(slot_views, [state_dict[s.spec.name] for s in self.bucket.slots])
+            self._copy(list(self._views[slot]), [state_dict[s.spec.name] for s in self.bucket.slots])
             stamp[0] = policy_version  # last: the slot is whole from here on
         finally:
             fcntl.flock(self._lock_fds[slot], fcntl.LOCK_UN)
         self._next_slot = 1 - slot
         self.last_policy_version = policy_version
 
+    def _copy(self, destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            if self._pool is None:
+                torch._foreach_copy_(destinations, sources)
+                return
+            # copy_ releases the GIL; list() re-raises a failed piece's error here.
+            list(self._pool.map(lambda pair: pair[0].copy_(pair[1]), copy_pieces(destinations, sources)))
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
         for fd in self._lock_fds:
             os.close(fd)
         self._lock_fds = []

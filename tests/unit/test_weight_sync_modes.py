@@ -283,3 +283,20 @@ def test_fan_out_sender_feeds_shm_and_files_through_open_sender_and_open_receive
         assert receiver.last_policy_version == 5
         receiver.close()
     sender.close()
+
+
+def test_shm_copy_in_pieces_over_threads_matches_a_single_copy(region: str, monkeypatch):
+    import colossal_rl.comm.shared_memory_sync as shared_memory_sync
+
+    monkeypatch.setattr(shared_memory_sync, "COPY_PIECE_BYTES", 1000)  # many pieces per tensor
+    generator = torch.Generator().manual_seed(0)
+    state = {name: torch.rand(t.shape, generator=generator).to(t.dtype) for name, t in state_dict(0.0).items()}
+    state["strided"] = torch.rand(40, 30, generator=generator).t()  # not contiguous: copied whole
+    sender = SharedMemorySender(region, WeightLayout.from_state_dict(state), timeout_s=5, copy_threads=3)
+    receiver = SharedMemoryReceiver(region, timeout_s=5)
+    sender.send(state, 1)
+    _, tensors = receiver.receive()
+    for name, tensor in state.items():
+        torch.testing.assert_close(tensors[name], tensor, rtol=0, atol=0)
+    receiver.close()
+    sender.close()
