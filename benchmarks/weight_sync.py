@@ -9,24 +9,35 @@ rounds):
   flat-chunks  that buffer in bucket-sized pieces, all in flight at once: bucketed's op count without packing
   per-tensor   for every tensor: pickled (name, shape, dtype) as a broadcast object, then the tensor
   coati        ColossalChat's ray_broadcast_tensor_dict: all metadata pickled once, then one broadcast per tensor
+  shm          --weight-sync-mode shm (comm/shared_memory_sync.py): the sender writes a /dev/shm slot, receivers
+               take zero-copy views of it
+  checkpoint   --weight-sync-mode checkpoint (comm/file_sync.py): the sender writes a safetensors file (tmp +
+               os.replace, newest 2 kept) in --file-dir, receivers load it
 
-Receivers keep what they received (views for bucketed); nobody loads weights into a model here.
+Receivers keep what they received (views for bucketed and shm); nobody loads weights into a model here. A
+shm/checkpoint receiver may skip a version (it takes the newest): it receives until it has the sender's last.
 
     .venv/bin/python benchmarks/weight_sync.py [--models tiny,medium,qwen2-0.5b] [--bucket-mb 16]
+        [--methods bucketed,flat,shm,checkpoint] [--file-dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import pickle
+import shutil
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
+from colossal_rl.comm.file_sync import FileReceiver, FileSender
 from colossal_rl.comm.process_group import StandaloneGroup, create_standalone_group, find_free_port
+from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver, SharedMemorySender
 from colossal_rl.comm.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     WeightLayout,
@@ -39,7 +50,7 @@ from colossal_rl.comm.weight_sync import (
 HOST = "127.0.0.1"
 NUM_PROCESSES = 4  # one sender, up to three receivers
 TIMEOUT_S = 600.0
-METHODS = ("bucketed", "flat", "flat-chunks", "per-tensor", "coati")
+METHODS = ("bucketed", "flat", "flat-chunks", "per-tensor", "coati", "shm", "checkpoint")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,39 +152,82 @@ def timed(group: StandaloneGroup, sync, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def measure(group: StandaloneGroup, case: ModelCase, state, bucket_bytes: int) -> list[dict[str, float]]:
+def receive_up_to(receiver, versions: list[int]):
+    """The next sync of a receiver that may skip versions: receive until it has the sender's next one."""
+    versions[0] += 1
+    while receiver.last_policy_version is None or receiver.last_policy_version < versions[0]:
+        receiver.receive()
+
+
+def measure(
+    group: StandaloneGroup, case: ModelCase, state, bucket_bytes: int, methods: tuple[str, ...], file_dir: str
+) -> list[dict[str, float]]:
     """Seconds per sync of each method, per round; every member runs this, rank 0's timings count."""
     layout, bucket_bytes = exchange_layout(group, WeightLayout.from_state_dict(state) if state else None, bucket_bytes)
     total = layout.total_bytes
+    places = broadcast_object(
+        group,
+        (
+            f"/dev/shm/colossal_rl-bench-{os.getpid()}-{group.world_size}",
+            tempfile.mkdtemp(prefix="colossal_rl-bench-", dir=file_dir),
+        )
+        if group.rank == 0
+        else None,
+    )
+    region, directory = places
+    # Collective: both ends build theirs here (agree_on_plan).
+    broadcaster = (
+        WeightSender(group, layout, bucket_bytes) if group.rank == 0 else WeightReceiver(group, layout, bucket_bytes)
+    )
     if group.rank == 0:
-        sender = WeightSender(group, layout, bucket_bytes)
+        sender = broadcaster
+        shm = SharedMemorySender(region, layout, TIMEOUT_S) if "shm" in methods else None
+        files = FileSender(directory, "stage0")
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
         versions = iter(range(1, 10**9))
+        shm_versions, file_versions = iter(range(1, 10**9)), iter(range(1, 10**9))
         syncs = {
             "bucketed": lambda: sender.send(state, next(versions)),
             "flat": lambda: group.broadcast(flat, 0),
             "flat-chunks": lambda: chunked_broadcast(group, flat, bucket_bytes),
             "per-tensor": lambda: per_tensor_sync(group, state, len(layout.tensors)),
             "coati": lambda: coati_sync(group, state),
+            "shm": lambda: shm.send(state, next(shm_versions)),
+            "checkpoint": lambda: files.send(state, next(file_versions)),
         }
-    else:
-        receiver = WeightReceiver(group, layout, bucket_bytes)
+    group.barrier()  # the region exists before receivers open it
+    if group.rank != 0:
+        receiver = broadcaster
+        shm = SharedMemoryReceiver(region, TIMEOUT_S) if "shm" in methods else None
+        files = FileReceiver(directory, "stage0", TIMEOUT_S)
         flat = torch.empty(total, dtype=torch.uint8)
+        shm_versions, file_versions = [0], [0]
         syncs = {
             "bucketed": receiver.receive,
             "flat": lambda: group.broadcast(flat, 0),
             "flat-chunks": lambda: chunked_broadcast(group, flat, bucket_bytes),
             "per-tensor": lambda: per_tensor_sync(group, None, len(layout.tensors)),
             "coati": lambda: coati_sync(group, None),
+            "shm": lambda: receive_up_to(shm, shm_versions),
+            "checkpoint": lambda: receive_up_to(files, file_versions),
         }
     rounds = []
     for round_index in range(case.rounds):
-        order = METHODS[round_index % len(METHODS) :] + METHODS[: round_index % len(METHODS)]
+        order = methods[round_index % len(methods) :] + methods[: round_index % len(methods)]
         rounds.append({method: timed(group, syncs[method], case.repeats) for method in order})
+    if shm is not None:
+        shm.close()  # receivers release their slot; the sender removes the region
+    group.barrier()
+    if group.rank == 0:
+        files.close()
+        shutil.rmtree(directory, ignore_errors=True)
     return rounds
 
 
-def member(rank: int, ports: tuple[int, int], cases: list[str], bucket_bytes: int, results) -> None:
+def member(
+    rank: int, ports: tuple[int, int], cases: list[str], bucket_bytes: int, methods: tuple[str, ...], file_dir: str,
+    results,
+) -> None:  # fmt: skip
     torch.set_num_threads(1)
     all_port, pair_port = ports
     everyone = create_standalone_group("gloo", rank, NUM_PROCESSES, HOST, all_port, TIMEOUT_S, name="all")
@@ -185,7 +239,7 @@ def member(rank: int, ports: tuple[int, int], cases: list[str], bucket_bytes: in
         for group in (pair, everyone):
             if group is None:
                 continue  # ranks 2 and 3 wait in the next group's first collective
-            timings = measure(group, case, state, bucket_bytes)
+            timings = measure(group, case, state, bucket_bytes, methods, file_dir)
             if rank == 0:
                 results.put((name, group.world_size - 1, len(layout.tensors), layout.total_bytes, timings))
         del state
@@ -205,8 +259,14 @@ class Row:
     def seconds(self, method: str) -> float:
         return statistics.median(r[method] for r in self.rounds)
 
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return tuple(method for method in METHODS if method in self.rounds[0])
+
     def relative(self, method: str, reference: str) -> float:
         """How many times faster ``method`` is than ``reference``, paired within rounds (robust to drift)."""
+        if reference not in self.rounds[0]:
+            return float("nan")
         return statistics.median(r[reference] / r[method] for r in self.rounds)
 
     def ratio_to_flat(self) -> float:
@@ -216,12 +276,12 @@ class Row:
         return self.relative("bucketed", method)
 
 
-def run(cases: list[str], bucket_bytes: int) -> list[Row]:
+def run(cases: list[str], bucket_bytes: int, methods: tuple[str, ...], file_dir: str) -> list[Row]:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     ports = (find_free_port(), find_free_port())
     processes = [
-        context.Process(target=member, args=(rank, ports, cases, bucket_bytes, results))
+        context.Process(target=member, args=(rank, ports, cases, bucket_bytes, methods, file_dir, results))
         for rank in range(NUM_PROCESSES)
     ]
     for process in processes:
@@ -241,12 +301,12 @@ def run(cases: list[str], bucket_bytes: int) -> list[Row]:
 
 
 def print_row(row: Row) -> None:
-    for method in METHODS:
+    for method in row.methods:
         seconds = row.seconds(method)
         print(
             f"{row.model:>11} {row.num_tensors:>5} {row.nbytes / 1e6:>9.1f} {row.receivers:>4} {method:>11} "
             f"{seconds:>9.4f} {row.nbytes / seconds / 1e9:>7.3f} {row.relative(method, 'flat'):>7.2f} "
-            f"{row.relative(method, 'per-tensor'):>8.2f}",
+            f"{row.relative(method, 'per-tensor'):>8.2f} {row.relative(method, 'bucketed'):>8.2f}",
             flush=True,
         )
 
@@ -255,19 +315,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20)
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    parser.add_argument("--file-dir", default=tempfile.gettempdir(), help="where the checkpoint method writes")
     args = parser.parse_args()
     cases = args.models.split(",")
+    methods = tuple(args.methods.split(","))
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     started = time.perf_counter()
     print(f"{'model':>11} {'tens.':>5} {'MB':>9} {'recv':>4} {'method':>11} {'seconds':>9} {'GB/s':>7} "
-          f"{'÷flat':>7} {'x per-t':>8}")  # fmt: skip
-    print("(seconds: median per sync; ÷flat: bandwidth relative to flat; x per-t: speedup over per-tensor)")
-    rows = run(cases, int(args.bucket_mb * 2**20))
+          f"{'÷flat':>7} {'x per-t':>8} {'x bcast':>8}")  # fmt: skip
+    print(
+        "(seconds: median per sync; ÷flat: bandwidth relative to flat; x per-t / x bcast: speedup over per-tensor /"
+        " over bucketed, today's --weight-sync-mode broadcast)"
+    )
+    rows = run(cases, int(args.bucket_mb * 2**20), methods, args.file_dir)
     print(f"total wall time {time.perf_counter() - started:.0f}s")
     for row in rows:
-        print(
-            f"{row.model} x{row.receivers}: bucketed at {100 * row.ratio_to_flat():.0f}% of flat, "
-            f"{row.speedup():.1f}x faster than per-tensor, {row.speedup('coati'):.1f}x faster than coati"
-        )
+        parts = [f"bucketed at {100 * row.ratio_to_flat():.0f}% of flat"] if "flat" in methods else []
+        parts += [f"{row.speedup(m):.1f}x faster than {m}" for m in ("per-tensor", "coati") if m in methods]
+        parts += [
+            f"{m} {row.relative(m, 'bucketed'):.2f}x bucketed's speed" for m in ("shm", "checkpoint") if m in methods
+        ]
+        print(f"{row.model} x{row.receivers}: " + ", ".join(parts) + (" (shm goal >= 3x)" if "shm" in methods else ""))
+    if not {"flat", "per-tensor"} <= set(methods):
+        return
     worst_ratio = min(rows, key=Row.ratio_to_flat)
     worst_speedup = min(rows, key=Row.speedup)
     print(
