@@ -300,3 +300,47 @@ def test_shm_copy_in_pieces_over_threads_matches_a_single_copy(region: str, monk
         torch.testing.assert_close(tensors[name], tensor, rtol=0, atol=0)
     receiver.close()
     sender.close()
+
+
+def test_shm_plan_end_to_end_one_producer_on_host_one_off_host_over_a_real_gloo_group(tmp_path: Path):
+    """Planned routes opened for real: the on-host producer reads shared memory, the off-host one is rank 1 of a
+    two-member broadcast group; the sender's one ``send`` reaches both (three processes, as in a run)."""
+    from process_members import run_members
+
+    from colossal_rl.comm.process_group import find_free_port
+
+    sends, receives = plan_routes(
+        "shm",
+        sender_nodes=["node-a"],
+        producer_nodes=["node-a", "node-b"],
+        addresses=[("127.0.0.1", find_free_port())],
+        run_dir=tmp_path,
+        formation=1,
+    )
+    sends = [SendRoute(0, s.broadcast_world_size, s.address, shm_region=str(tmp_path / "region")) for s in sends]
+    receives = [
+        [r if r.kind == "broadcast" else ReceiveRoute("shm", 0, location=sends[0].shm_region)] for (r,) in receives
+    ]
+    options = dict(timeout_s=20, transport="torch", group_name="weight_sync/stage0", device="cpu")
+
+    def send():
+        torch.set_num_threads(1)  # forked after this process ran OpenMP-parallel copies: no new OpenMP team
+        sender = open_sender(sends[0], state_dict(0.0), **options)
+        sender.send(state_dict(3.0), 3)
+        time.sleep(1.0)  # the shm reader maps the region before it is removed
+        sender.close()
+        return type(sender).__name__
+
+    def receive(rank: int):
+        def run():
+            torch.set_num_threads(1)
+            receiver = open_receiver(receives[rank][0], **options)
+            version, tensors = receiver.receive()
+            result = (receives[rank][0].kind, version, sorted(one_version(tensors)))
+            receiver.close()
+            return result
+
+        return run
+
+    results = run_members([send, receive(0), receive(1)], timeout_s=60)
+    assert results == ["FanOutSender", ("shm", 3, [3.0]), ("broadcast", 3, [3.0])], results
