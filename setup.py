@@ -27,6 +27,7 @@ setup(
         "torch==2.5.1",
         "transformers==4.51.3",
         "colossalai==0.5.0",
+        "peft==0.13.2",  # LoRA (--lora-rank); colossalai 0.5.0 pins peft<=0.13.2 and this is the release it installs
         "ray[default]==2.40.0",  # = vLLM 0.7.3's ray[adag]==2.40.0 (one stack for CPU and GPU)
         "numpy<2",  # vLLM 0.7.3 requires numpy<2.0.0
         "pyarrow<24",  # pyarrow >= 24 refuses to import under numpy < 2 (and Ray imports it); not in its metadata

@@ -56,6 +56,8 @@ class Producer:
         self.rank = rank
         self.config = config
         self.policy_version = 0
+        self._lora_base: dict[str, torch.Tensor] | None = None
+        """With LoRA: the base weights of the adapted layers (what every sync's adapters are merged into)."""
         self.startup = PhaseRecorder()
         """Start-up phases (always recorded; see ``colossal_rl.startup``)."""
         with self.startup.record("model"):
@@ -177,8 +179,20 @@ class Producer:
             raise ValueError(
                 f"producer {self.rank}: weights version {policy_version} is not newer than {self.policy_version}"
             )
+        if self.config.train.lora_rank > 0:
+            named_tensors = self._merge_adapters(named_tensors)
         self.backend.load_weights(named_tensors)
         self.policy_version = policy_version
+
+    def _merge_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With LoRA the sync carries only adapters: the merged weights W0 + (alpha / r) B A of the layers they
+        adapt, W0 being this producer's base weights (copied from the engine at the first sync)."""
+        from colossal_rl.training.lora import base_name, lora_scaling, merge_adapters
+
+        if self._lora_base is None:
+            targets = {base_name(key) for key in adapters}
+            self._lora_base = {name: t for name, t in self.backend.named_weights().items() if name in targets}
+        return merge_adapters(self._lora_base, adapters, lora_scaling(self.config.train))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, num_producers: int) -> list[EvalResult]:

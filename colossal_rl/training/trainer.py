@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ADAPTER_DIR = "adapter"
+"""With LoRA, the HF export directory also holds the adapters alone, in peft's format, here."""
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 __all__ = ["Trainer", "training_device"]
@@ -108,6 +111,8 @@ class Trainer:
         """Start-up phases (always recorded; see ``colossal_rl.startup``)."""
         self.schedule_horizon = ScheduleHorizon()
         """The run's total optimizer steps, for the learning-rate schedule (:meth:`set_total_steps`)."""
+        self.sync_report: dict[str, float] | None = None
+        """With LoRA: the bytes the weight sync moves against the full model's (set at the first sync)."""
         self.objective = objective_for(config.algorithm)
         """The loss (``training/objective.py``) and what it needs: a reference model, pi_old, whole groups."""
 
@@ -150,7 +155,12 @@ class Trainer:
                 gradient_checkpointing=train.gradient_checkpointing,
                 trust_remote_code=self.config.model.trust_remote_code,
             )
-        optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
+        if train.lora_rank > 0:
+            from colossal_rl.training.lora import add_lora_adapters
+
+            model = add_lora_adapters(model, train)
+        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
         lr_scheduler = make_lr_scheduler(
             optimizer,
             train.lr_schedule,
@@ -530,7 +540,12 @@ class Trainer:
         """Every parameter at full shape on global rank 0 (None elsewhere): for the HF export. Collective."""
         from colossal_rl.training.full_state_dict import gather_full_state_dict
 
-        return gather_full_state_dict(self.model, self.plugin, self.optimizer)
+        state = gather_full_state_dict(self.model, self.plugin, self.optimizer)
+        if state is not None and self.config.train.lora_rank > 0:
+            from colossal_rl.training.lora import lora_scaling, merged_state_dict
+
+            state = merged_state_dict(state, lora_scaling(self.config.train))  # base names, adapters merged in
+        return state
 
     @property
     def sync_stage(self) -> int | None:
@@ -544,7 +559,21 @@ class Trainer:
         sender (``sync_stage`` is not None), None elsewhere. Collective: every rank calls it."""
         from colossal_rl.training.full_state_dict import gather_stage_state_dict
 
-        return gather_stage_state_dict(self.model, self.plugin, self.optimizer)
+        state = gather_stage_state_dict(self.model, self.plugin, self.optimizer)
+        if state is not None and self.config.train.lora_rank > 0:
+            from colossal_rl.training.lora import adapter_state_dict, sync_fraction_report
+
+            state = adapter_state_dict(state)  # only the adapters travel; producers merge them
+            if self.sync_report is None:
+                self.sync_report = sync_fraction_report(state, self.model.unwrap())
+                logger.info(
+                    "LoRA: the weight sync carries %d adapter tensors, %d bytes = %.2f%% of the full model's %d bytes",
+                    len(state),
+                    self.sync_report["weight_sync/bytes"],
+                    100 * self.sync_report["weight_sync/fraction_of_full_model"],
+                    self.sync_report["weight_sync/full_model_bytes"],
+                )
+        return state
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: Path) -> None:
@@ -569,6 +598,11 @@ class Trainer:
         ``directory``."""
         from colossal_rl.training.trainer_state import export_hf
 
+        adapters = None
+        if self.config.train.lora_rank > 0:
+            from colossal_rl.training.lora import adapter_state_dict
+
+            adapters = adapter_state_dict(self.stage_state_dict() or {})  # collective; full on global rank 0
         full_state = self.full_state_dict()
         if full_state is not None:
             export_hf(
@@ -577,6 +611,10 @@ class Trainer:
                 Path(directory),
                 trust_remote_code=self.config.model.trust_remote_code,
             )
+            if adapters:
+                from colossal_rl.training.lora import write_adapter_dir
+
+                write_adapter_dir(adapters, self.config.train, self.config.model.path, Path(directory) / ADAPTER_DIR)
         dist.barrier()
 
     def load_checkpoint(self, directory: Path, policy_version: int) -> None:

@@ -1,0 +1,138 @@
+"""LoRA adapters through peft: added to the policy before boosting, and the name mappings the rest of the run needs.
+
+Adapters are injected in place (``peft.inject_adapter_in_model``), so the policy stays the Hugging Face model
+class every other part of the trainer knows; a targeted linear ``X`` becomes ``X.base_layer`` (frozen) plus
+``X.lora_A.default`` / ``X.lora_B.default`` (trained). Three views of those weights leave the trainer:
+
+- the **weight sync** carries only the adapters, named ``X.lora_A.weight`` / ``X.lora_B.weight``
+  (:func:`adapter_state_dict`); producers merge them into their own base weights (:func:`merge_adapters`,
+  ``rollout/producer.py``), so generation runs at full speed on plain weights;
+- the **HF export** gets merged, base-named weights (:func:`merged_state_dict`: ``X.weight = W0 + s B A``),
+  loadable by plain transformers and vLLM, and an adapter directory in peft's format (:func:`write_adapter_dir`);
+- the **trainer checkpoint** keeps the injected model's own state dict (base and adapters), so resume is exact.
+
+``s = lora_alpha / lora_rank``. Pure functions over state dicts except :func:`add_lora_adapters`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from colossal_rl.config import TrainConfig
+
+ADAPTER_NAME = "default"
+_LORA_PARTS = (".lora_A.", ".lora_B.")
+
+
+def target_modules(train: TrainConfig) -> str | list[str]:
+    """peft's ``target_modules``: ``all-linear`` as is, else the comma-separated names as a list."""
+    names = [name.strip() for name in train.lora_target_modules.split(",")]
+    return "all-linear" if names == ["all-linear"] else names
+
+
+def lora_scaling(train: TrainConfig) -> float:
+    return train.lora_alpha / train.lora_rank
+
+
+def peft_lora_config(train: TrainConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=train.lora_rank, lora_alpha=train.lora_alpha, target_modules=target_modules(train), lora_dropout=0.0
+    )
+
+
+def add_lora_adapters(model: torch.nn.Module, train: TrainConfig) -> torch.nn.Module:
+    """Inject LoRA adapters into ``model`` in place and freeze everything else; returns the model.
+
+    The adapters are created in the dtype and on the device of the layers they wrap.
+    """
+    from peft import inject_adapter_in_model
+
+    model = inject_adapter_in_model(peft_lora_config(train), model, adapter_name=ADAPTER_NAME)
+    trainable = 0
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(is_adapter_key(name))
+        trainable += parameter.numel() if parameter.requires_grad else 0
+    if trainable == 0:
+        raise ValueError(
+            f"--lora-target-modules {train.lora_target_modules!r} matched no linear layer of the model: no adapter "
+            "was added"
+        )
+    return model
+
+
+def is_adapter_key(name: str) -> bool:
+    return any(part in name for part in _LORA_PARTS)
+
+
+def adapter_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of an injected model's state dict, named ``X.lora_A.weight`` / ``X.lora_B.weight``."""
+    return {name.replace(f".{ADAPTER_NAME}.", "."): t for name, t in state_dict.items() if is_adapter_key(name)}
+
+
+def base_name(adapter_key: str) -> str:
+    """``X.lora_A.weight`` (or ``X.lora_B.weight``) -> ``X.weight``: the base weight the adapter updates."""
+    for part in _LORA_PARTS:
+        if part in adapter_key:
+            return adapter_key.split(part)[0] + ".weight"
+    raise ValueError(f"{adapter_key!r} is not a LoRA adapter key")
+
+
+def merge_adapters(
+    base_weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scaling: float
+) -> dict[str, torch.Tensor]:
+    """``X.weight = W0 + scaling * B @ A`` for every adapted ``X`` (computed in fp32, returned in W0's dtype).
+
+    ``base_weights``: ``X.weight`` -> W0 [out, in]; ``adapters``: ``X.lora_A.weight`` [r, in] and
+    ``X.lora_B.weight`` [out, r]. Returns only the merged weights.
+    """
+    merged = {}
+    for key, lora_a in adapters.items():
+        if ".lora_A." not in key:
+            continue
+        target = base_name(key)
+        lora_b = adapters.get(key.replace(".lora_A.", ".lora_B."))
+        if lora_b is None:
+            raise KeyError(f"{key!r} came without its lora_B")
+        if target not in base_weights:
+            raise KeyError(f"adapter {key!r} updates {target!r}, which the base weights lack")
+        base = base_weights[target]
+        delta = lora_b.to(base.device, torch.float32) @ lora_a.to(base.device, torch.float32)
+        merged[target] = (base.float() + scaling * delta).to(base.dtype)
+    return merged
+
+
+def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """An injected model's state dict as the plain model's: ``X.base_layer.*`` -> ``X.*``, adapters merged in."""
+    plain = {name.replace(".base_layer.", "."): t for name, t in state_dict.items() if not is_adapter_key(name)}
+    plain.update(merge_adapters(plain, adapter_state_dict(state_dict), scaling))
+    return plain
+
+
+def write_adapter_dir(adapters: dict[str, torch.Tensor], train: TrainConfig, base_model: str, directory: Path) -> Path:
+    """peft's adapter format (``adapter_config.json``, ``adapter_model.safetensors``) in ``directory``:
+    ``PeftModel.from_pretrained(base, directory)`` loads it."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = peft_lora_config(train)
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(directory))
+    tensors = {f"base_model.model.{name}": t.detach().cpu().contiguous() for name, t in adapters.items()}
+    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def sync_fraction_report(adapters: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, float]:
+    """Bytes the adapter-only weight sync moves, against the full (plain) model's bytes."""
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    full_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not is_adapter_key(n))
+    return {
+        "weight_sync/bytes": float(adapter_bytes),
+        "weight_sync/full_model_bytes": float(full_bytes),
+        "weight_sync/fraction_of_full_model": adapter_bytes / max(full_bytes, 1),
+    }
