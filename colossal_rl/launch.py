@@ -508,6 +508,11 @@ class Driver:
                 ray.kill(actor)
             except Exception as error:  # already dead: nothing left to clean up
                 logger.debug("kill of an actor failed: %s", error)
+        if self.config.run.weight_sync_mode == "shm":  # a trainer killed before closing its region leaves it behind
+            from colossal_rl.comm.weight_sync_modes import remove_leftover_regions
+
+            for path in remove_leftover_regions(self.run_dir):
+                logger.info("removed the shared-memory weight-sync region %s (its sender did not close it)", path)
 
 
 def make_run_dir(config: RLConfig) -> Path:

@@ -58,10 +58,26 @@ def shm_readers(sender_node: str, producer_nodes: Sequence[str]) -> list[bool]:
     return [node == sender_node for node in producer_nodes]
 
 
+def _region_prefix(run_dir: str | Path) -> str:
+    run_hash = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return f"colossal_rl-{run_hash}-{os.getpid()}-"
+
+
 def region_name(run_dir: str | Path, formation: int, stage: int, shm_root: str | Path = "/dev/shm") -> str:
     """Unique per run (run directory hash, driver pid), formation and stage."""
-    run_hash = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    return str(Path(shm_root) / f"colossal_rl-{run_hash}-{os.getpid()}-f{formation}-s{stage}")
+    return str(Path(shm_root) / f"{_region_prefix(run_dir)}f{formation}-s{stage}")
+
+
+def remove_leftover_regions(run_dir: str | Path, shm_root: str | Path = "/dev/shm") -> list[Path]:
+    """Delete this run's regions still in ``shm_root`` (a sender killed before its ``close``); returns them.
+
+    Called by the driver at shutdown, on the driver's node: a region on another node (the sender trainer placed
+    elsewhere) is not reached from here."""
+    root = Path(shm_root)
+    leftovers = sorted(root.glob(f"{_region_prefix(run_dir)}*")) if root.is_dir() else []
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    return leftovers
 
 
 def plan_routes(

@@ -299,8 +299,11 @@ def test_a_producer_killed_more_often_than_allowed_ends_the_run_naming_it(tmp_pa
 
 
 def test_a_killed_trainer_ends_the_run_with_the_command_that_resumes_it(tmp_path):
+    """In shm weight-sync mode, so the killed sender's /dev/shm region (never closed) must be removed by the
+    driver's shutdown too."""
     others = producer_pids("TrainerActor")
-    run = Run(command(tmp_path, "--max-steps", "40", "--timeout", "60"))
+    regions_before = set(Path("/dev/shm").glob("colossal_rl-*"))
+    run = Run(command(tmp_path, "--max-steps", "40", "--timeout", "60", "--weight-sync-mode", "shm"))
     checkpoint = run.wait_for(
         lambda: min(tmp_path.glob("*/checkpoints/step_000002/state.json"), default=None), "a checkpoint"
     )
@@ -312,3 +315,5 @@ def test_a_killed_trainer_ends_the_run_with_the_command_that_resumes_it(tmp_path
     )
     assert re.search(r"ERROR .*trainer 0 \(\w+\) died", run.output) and expected in run.output, run.output[-3000:]
     assert "trainer 0" in (run_dir / "FAILED").read_text(), "a failed run says so in its directory"
+    assert "removed the shared-memory weight-sync region" in run.output, run.output[-3000:]
+    assert set(Path("/dev/shm").glob("colossal_rl-*")) <= regions_before, "the killed sender's region is left"

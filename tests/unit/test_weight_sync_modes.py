@@ -344,3 +344,14 @@ def test_shm_plan_end_to_end_one_producer_on_host_one_off_host_over_a_real_gloo_
 
     results = run_members([send, receive(0), receive(1)], timeout_s=60)
     assert results == ["FanOutSender", ("shm", 3, [3.0]), ("broadcast", 3, [3.0])], results
+
+
+def test_leftover_regions_of_this_run_are_removed_and_others_kept(tmp_path: Path):
+    from colossal_rl.comm.weight_sync_modes import region_name, remove_leftover_regions
+
+    ours = [Path(region_name(tmp_path / "run", formation, 0, shm_root=tmp_path)) for formation in (0, 1)]
+    theirs = Path(region_name(tmp_path / "other_run", 0, 0, shm_root=tmp_path))
+    for path in [*ours, theirs]:
+        path.write_bytes(b"slot")
+    assert remove_leftover_regions(tmp_path / "run", shm_root=tmp_path) == sorted(ours)
+    assert [p.name for p in tmp_path.iterdir()] == [theirs.name]
