@@ -387,17 +387,7 @@ class Trainer:
                 new_logprobs, entropy, forward = self.micro_forward.terms(
                     self.model, part, chunk.group_size, head_weight, with_entropy=True
                 )
-                part_ref = None if ref_logprobs is None else ref_logprobs[start:stop]
-                loss = self.micro_batch_loss(
-                    new_logprobs,
-                    entropy,
-                    part,
-                    part_ref,
-                    context.counts,
-                    context.step_samples,
-                    context.totals,
-                    group_size=chunk.group_size,
-                )
+                loss = self._step_loss(new_logprobs, entropy, chunk, start, stop, ref_logprobs, context)
                 # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
                 self.booster.backward(loss * self.dp_size, self.optimizer)
             _count_tokens(context.totals, forward.real_tokens, forward.computed_tokens)
@@ -417,18 +407,30 @@ class Trainer:
         """(loss, log-probs) of samples [start, start + size) of ``chunk`` from their padded forward's ``outputs``."""
         part = chunk.sample_range(start, start + size)
         new_logprobs, entropy = self.micro_forward.padded_terms(outputs, head_weight, part, with_entropy=True)
-        part_ref = None if ref_logprobs is None else ref_logprobs[start : start + size]
-        loss = self.micro_batch_loss(
+        loss = self._step_loss(new_logprobs, entropy, chunk, start, start + size, ref_logprobs, context)
+        return loss, new_logprobs
+
+    def _step_loss(
+        self,
+        new_logprobs: torch.Tensor,
+        entropy: torch.Tensor,
+        chunk: RolloutBatch,
+        start: int,
+        stop: int,
+        ref_logprobs: torch.Tensor | None,
+        context: _StepContext,
+    ) -> torch.Tensor:
+        """:meth:`micro_batch_loss` of samples [start, stop) of ``chunk`` within the step ``context``."""
+        return self.micro_batch_loss(
             new_logprobs,
             entropy,
-            part,
-            part_ref,
+            chunk.sample_range(start, stop),
+            None if ref_logprobs is None else ref_logprobs[start:stop],
             context.counts,
             context.step_samples,
             context.totals,
             group_size=chunk.group_size,
         )
-        return loss, new_logprobs
 
     def _pipeline_microbatch(self, chunk: RolloutBatch) -> int:
         micro = self.plugin.scheduler.microbatch_size  # the plugin keeps it only on its pipeline schedule
