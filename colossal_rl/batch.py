@@ -9,8 +9,12 @@ Only torch is imported here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from colossal_rl.vision.inputs import VisionInputs
 
 # Per-sample tensor fields and their shapes (N samples, P prompt tokens, R response tokens).
 _TENSOR_FIELDS = {
@@ -51,11 +55,17 @@ class RolloutBatch:
     responses: list[str] = field(default_factory=list)  # [N] decoded responses
     reward_status: list[str] = field(default_factory=list)  # [N] status of each reward record
     data_indices: list[int] = field(default_factory=list)  # [N / group_size] row index in the dataset
+    vision: tuple[VisionInputs | None, ...] = ()
+    """[N] each sample's processed images (None: a text-only prompt), or () for a text-only batch. The samples of
+    a group hold the same object, so a group's pixels are pickled (and sent through Ray) once; they stay on the
+    host until a forward needs them."""
 
     def __post_init__(self) -> None:
         n = self.prompt_ids.shape[0]
         if n % self.group_size != 0:
             raise ValueError(f"{n} samples is not a whole number of groups of {self.group_size}")
+        if self.vision and len(self.vision) != n:
+            raise ValueError(f"vision has {len(self.vision)} entries, expected {n}")
         for name in _TENSOR_FIELDS:
             if getattr(self, name).shape[0] != n:
                 raise ValueError(f"{name} has {getattr(self, name).shape[0]} rows, expected {n}")
@@ -81,6 +91,7 @@ class RolloutBatch:
         sample_list = sample_index.tolist()
         changes["responses"] = [self.responses[i] for i in sample_list] if self.responses else []
         changes["reward_status"] = [self.reward_status[i] for i in sample_list] if self.reward_status else []
+        changes["vision"] = tuple(self.vision[i] for i in sample_list) if self.vision else ()
         return replace(self, **changes)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
@@ -100,7 +111,10 @@ class RolloutBatch:
             for name in (*_TENSOR_FIELDS, *_OPTIONAL_TENSOR_FIELDS)
             if getattr(self, name) is not None
         }
-        return replace(self, **changes, group_size=1, prompts=[], responses=[], reward_status=[], data_indices=[])
+        vision = self.vision[start:stop]
+        return replace(
+            self, **changes, group_size=1, prompts=[], responses=[], reward_status=[], data_indices=[], vision=vision
+        )
 
     def group_chunks(self, groups_per_chunk: int) -> list[RolloutBatch]:
         """Consecutive pieces of at most ``groups_per_chunk`` whole groups each, in order."""
@@ -181,7 +195,14 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         responses=[r for b in batches for r in b.responses],
         reward_status=[s for b in batches for s in b.reward_status],
         data_indices=[i for b in batches for i in b.data_indices],
+        vision=_concat_vision(batches),
     )
+
+
+def _concat_vision(batches: list[RolloutBatch]) -> tuple:
+    if not any(b.vision for b in batches):
+        return ()
+    return tuple(v for b in batches for v in (b.vision or (None,) * b.num_samples))
 
 
 def tensor_field_names() -> list[str]:

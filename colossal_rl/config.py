@@ -76,9 +76,28 @@ class DataConfig:
     """Column holding the reference answer (e.g. ``solution`` in math datasets), read as ``gt_answer``."""
     seed: int = 42
     """Seed of the per-episode shuffle of the training prompts."""
+    image_key: str = "images"
+    """Column holding a row's images (vision-language models): file paths relative to the dataset file, or
+    ``datasets`` Image values; the prompt marks their places with ``<image>`` (else they open the prompt)."""
+    min_pixels: int | None = None
+    """Images smaller than this many pixels are scaled up to it by the processor (None: the processor's default)."""
+    max_pixels: int | None = None
+    """Images larger than this many pixels are scaled down to it (None: the processor's default); bounds the
+    image tokens per prompt: one per 28 x 28 pixels for Qwen2.5-VL."""
+    limit_images: int | None = None
+    """Rows with more images than this are left out at load time, counted in the log (None: no limit)."""
 
     def validate(self) -> None:
         _require(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", f"must be >= 1, got {self.max_prompt_tokens}")
+        _require(bool(self.image_key), "data.image_key", "must name a dataset column")
+        for name in ("min_pixels", "max_pixels", "limit_images"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"data.{name}", f"must be >= 1 (or unset), got {value}")
+        _require(
+            self.min_pixels is None or self.max_pixels is None or self.min_pixels <= self.max_pixels,
+            "data.min_pixels",
+            f"{self.min_pixels} exceeds data.max_pixels {self.max_pixels}",
+        )
         _require(bool(self.prompt_key), "data.prompt_key", "must name a dataset column")
         _require(bool(self.answer_key), "data.answer_key", "must name a dataset column")
 
@@ -297,6 +316,9 @@ class TrainConfig:
     lora_target_modules: str = "all-linear"
     """Modules that get adapters: comma-separated module names (``q_proj,v_proj``) or ``all-linear`` (every
     linear layer but the output head)."""
+    freeze_vision_tower: bool = False
+    """Vision-language models: train the language model only; the vision tower gets no gradient, and the weight
+    sync leaves it out (it never changes)."""
 
     def validate(self) -> None:
         _require(

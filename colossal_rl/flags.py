@@ -73,6 +73,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-mpt", "--max-prompt-tokens"), "data.max_prompt_tokens"),
     Flag(("--prompt-key",), "data.prompt_key"),
     Flag(("--answer-key",), "data.answer_key"),
+    Flag(("--image-key",), "data.image_key"),
+    Flag(("--min-pixels",), "data.min_pixels"),
+    Flag(("--max-pixels",), "data.max_pixels"),
+    Flag(("--limit-images",), "data.limit_images"),
     # generation
     Flag(("-b", "--backend"), "generation.backend", 'Producer inference engine; vllm needs GPUs and ".[gpu]".'),
     Flag(("-g", "--num-generations"), "generation.num_generations"),
@@ -115,6 +119,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--lora-rank",), "train.lora_rank"),
     Flag(("--lora-alpha",), "train.lora_alpha"),
     Flag(("--lora-target-modules",), "train.lora_target_modules"),
+    Flag(("--freeze-vision-tower",), "train.freeze_vision_tower", kind="switch"),
     # parallelism and schedule
     Flag(("-t", "--num-trainers"), "parallel.num_trainers"),
     Flag(("-tp", "--tensor-parallel-size"), "parallel.tp_size"),

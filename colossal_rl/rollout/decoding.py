@@ -84,8 +84,11 @@ class DecodedResponses:
     logprobs: torch.Tensor  # [N, R] behaviour log-probabilities, 0 after a row finished
 
 
-def _next_logits(model, input_ids, attention_mask, position_ids, cache, keeps_last_only: bool) -> torch.Tensor:
-    extra = {"logits_to_keep": 1} if keeps_last_only else {}
+def _next_logits(
+    model, input_ids, attention_mask, position_ids, cache, keeps_last_only: bool, **extra
+) -> torch.Tensor:
+    if keeps_last_only:
+        extra["logits_to_keep"] = 1
     output = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -113,21 +116,34 @@ def sample_responses(
     eos_token_ids: list[int],
     pad_token_id: int,
     stop_watch: StopStringWatch | None = None,
+    prompt_positions: torch.Tensor | None = None,
+    vision_inputs: dict[str, torch.Tensor] | None = None,
 ) -> DecodedResponses:
     """Sample ``num_samples`` responses for each left-padded prompt row of ``prompt_ids`` [B, P].
 
     Rows of the result are group-major: row ``b * num_samples + s`` is sample ``s`` of prompt ``b``.
+    Vision-language prompts: ``prompt_positions`` [3, B, P] (multimodal positions, ``vision/rope.py``) and
+    ``vision_inputs`` (``pixel_values``, ``image_grid_thw``) go into the prefill; every generated token then
+    advances all three axes together from one past the prompt's largest position.
     """
     device = prompt_ids.device
     keeps_last_only = accepts_logits_to_keep(model)
     cache = DynamicCache()
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = _next_logits(model, prompt_ids, prompt_mask, positions, cache, keeps_last_only)
+    if prompt_positions is None:
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        next_position = prompt_mask.sum(-1, keepdim=True)
+    else:
+        from colossal_rl.vision.rope import next_text_position
+
+        positions = prompt_positions
+        next_position = next_text_position(prompt_positions, prompt_mask)
+    logits = _next_logits(model, prompt_ids, prompt_mask, positions, cache, keeps_last_only, **(vision_inputs or {}))
     # The group's samples share the prompt's cache: repeat it (and the last logits) instead of re-running it.
     cache.batch_repeat_interleave(num_samples)
     logits = logits.repeat_interleave(num_samples, dim=0)
     attention_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
-    next_position = attention_mask.sum(-1, keepdim=True)
+    next_position = next_position.repeat_interleave(num_samples, dim=0)
+    axes = 3 if prompt_positions is not None else None
 
     num_rows = prompt_ids.shape[0] * num_samples
     response_ids = torch.full((num_rows, sampling.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -156,6 +172,7 @@ def sample_responses(
             running, tokens = running[keep], tokens[keep]
             attention_mask, next_position = attention_mask[keep], next_position[keep]
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
-        logits = _next_logits(model, tokens.unsqueeze(-1), attention_mask, next_position, cache, keeps_last_only)
+        step_positions = next_position if axes is None else next_position.unsqueeze(0).expand(axes, -1, -1)
+        logits = _next_logits(model, tokens.unsqueeze(-1), attention_mask, step_positions, cache, keeps_last_only)
         next_position = next_position + 1
     return DecodedResponses(response_ids=response_ids[:, :length], logprobs=logprobs[:, :length])

@@ -14,7 +14,7 @@ import torch
 
 from colossal_rl.batch import RolloutBatch, pad_to
 from colossal_rl.config import RLConfig
-from colossal_rl.data import EpisodeSchedule, PromptDataset, load_prompt_dataset
+from colossal_rl.data import EpisodeSchedule, ImagePrompting, PromptDataset, load_prompt_dataset
 from colossal_rl.data_sources import RowKeys
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.prompts import system_prompt_for
@@ -66,12 +66,13 @@ class Producer:
         self.reward_scorer = reward_scorer
         system_prompt = system_prompt_for(config.reward.reward_type, config.data.system_prompt)
         max_prompt, keys = config.data.max_prompt_tokens, RowKeys.for_config(config)
+        images = self._image_prompting(config)
         with self.startup.record("datasets"):
             self.train_data = load_prompt_dataset(
-                config.data.train_path, self.tokenizer, system_prompt, max_prompt, keys
+                config.data.train_path, self.tokenizer, system_prompt, max_prompt, keys, images
             )
             self.eval_data = {
-                task: load_prompt_dataset(path, self.tokenizer, system_prompt, max_prompt, keys)
+                task: load_prompt_dataset(path, self.tokenizer, system_prompt, max_prompt, keys, images)
                 for task, path in config.data.eval_paths
             }
         self.schedule = EpisodeSchedule(
@@ -97,14 +98,36 @@ class Producer:
             weights_dtype=VLLM_DTYPES[config.parallel.precision],
         )
 
+    def _image_prompting(self, config: RLConfig) -> ImagePrompting | None:
+        """How prompts take their images, when the policy is a vision-language model (its backend has a processor)."""
+        processor = getattr(self.backend, "processor", None)
+        if processor is None:
+            return None
+        data = config.data
+        return ImagePrompting(
+            processor=processor,
+            image_key=data.image_key,
+            min_pixels=data.min_pixels,
+            max_pixels=data.max_pixels,
+            limit_images=data.limit_images,
+        )
+
     # ------------------------------------------------------------------ generation
-    def _generate(self, prompt_ids: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
+    def _generate(
+        self, dataset: PromptDataset, indices: list[int], num_samples: int, sampling: SamplingSettings
+    ) -> tuple[GenerationOutput, tuple]:
+        """Responses to rows ``indices`` of ``dataset``, and each sample's vision inputs (() for text prompts)."""
         chunk = self.config.generation.microbatch_size
-        parts = [
-            self.backend.generate(prompt_ids[start : start + chunk], num_samples, sampling)
-            for start in range(0, len(prompt_ids), chunk)
-        ]
-        return concat_generation_outputs(parts, self.backend.pad_token_id)
+        vision = [dataset.vision_inputs(i) for i in indices] if dataset.images is not None else None
+        parts = []
+        for start in range(0, len(indices), chunk):
+            prompts = [dataset.prompt_ids[i] for i in indices[start : start + chunk]]
+            if vision is None:
+                parts.append(self.backend.generate(prompts, num_samples, sampling))
+            else:
+                parts.append(self.backend.generate(prompts, num_samples, sampling, vision[start : start + chunk]))
+        per_sample = () if vision is None else tuple(v for v in vision for _ in range(num_samples))
+        return concat_generation_outputs(parts, self.backend.pad_token_id), per_sample
 
     def _train_sampling(self) -> SamplingSettings:
         return train_sampling(self.config.generation)
@@ -119,9 +142,7 @@ class Producer:
         group_size = self.config.generation.num_generations
         torch.manual_seed(self.config.run.seed * 1_000_003 + round_index * 1009 + self.rank)
         with self.phases.record("generate"):
-            output = self._generate(
-                [self.train_data.prompt_ids[i] for i in row_indices], group_size, self._train_sampling()
-            )
+            output, vision = self._generate(self.train_data, row_indices, group_size, self._train_sampling())
         generate_seconds = time.perf_counter() - started
         rows = [self.train_data.rows[i] for i in row_indices for _ in range(group_size)]
         with self.phases.record("reward"):
@@ -144,6 +165,7 @@ class Producer:
             responses=output.responses,
             reward_status=[r.status for r in records],
             data_indices=row_indices,
+            vision=vision,
         )
         with self.phases.record("postprocess"):
             processed, metrics = postprocess_rollout(
@@ -208,7 +230,7 @@ class Producer:
         if not indices:
             return EvalResult(task=task, accuracy=0.0, num_prompts=0, records=[], samples_per_prompt=k)
         torch.manual_seed(self.config.run.seed + 7 * self.rank)
-        output = self._generate([dataset.prompt_ids[i] for i in indices], k, self._eval_sampling())
+        output, _ = self._generate(dataset, indices, k, self._eval_sampling())
         rows = [dataset.rows[i] for i in indices for _ in range(k)]  # group-major, like the responses
         scored = self.reward_scorer.score_batch(output.responses, rows)
         records = [

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.decoding import StopStringWatch, sample_responses
+from colossal_rl.vision.inputs import VisionInputs, model_vision_kwargs
+from colossal_rl.vision.models import auto_model_class, is_vision_language_config
+from colossal_rl.vision.rope import RopeTokens, padded_positions
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,17 @@ class TransformersBackend:
     behaviour log-probs are log-softmax(raw logits / temperature)."""
 
     def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, *, trust_remote_code: bool = False):
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.processor = None
+        """A vision-language model's processor (chat template, tokenizer, image processor); None for text."""
+        self.rope_tokens = None
+        if is_vision_language_config(config):
+            self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            self.tokenizer = self.processor.tokenizer
+            self.rope_tokens = RopeTokens.of(config)
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.model = auto_model_class(config).from_pretrained(
             model_path, torch_dtype=dtype, trust_remote_code=trust_remote_code
         )
         self.model.eval()
@@ -79,8 +91,21 @@ class TransformersBackend:
         return sorted(set(ids))
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        num_samples: int,
+        sampling: SamplingSettings,
+        vision: list[VisionInputs | None] | None = None,
+    ) -> GenerationOutput:
         unique_ids, unique_mask = left_pad(prompts, self.pad_token_id)
+        positions, vision_kwargs = None, None
+        if vision is not None and any(v is not None for v in vision):
+            if self.rope_tokens is None:
+                raise ValueError("prompts with images need a vision-language model")
+            grids = [None if v is None else v.image_grid_thw for v in vision]
+            positions = padded_positions(unique_ids, unique_mask, grids, self.rope_tokens)
+            vision_kwargs = model_vision_kwargs(vision, unique_ids.device, self.model.dtype)
         stop_watch = None
         if sampling.stop_strings:
             stop_watch = StopStringWatch(self.tokenizer, sampling.stop_strings, len(prompts) * num_samples)
@@ -93,6 +118,8 @@ class TransformersBackend:
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             stop_watch=stop_watch,
+            prompt_positions=positions,
+            vision_inputs=vision_kwargs,
         )
         prompt_ids = unique_ids.repeat_interleave(num_samples, dim=0)
         prompt_mask = unique_mask.repeat_interleave(num_samples, dim=0)

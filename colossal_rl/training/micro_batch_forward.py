@@ -19,8 +19,10 @@ from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig
 from colossal_rl.training import micro_batches
 from colossal_rl.training.objective import objective_for
-from colossal_rl.training.policy_forward import output_head_returns_hidden, response_terms
+from colossal_rl.training.policy_forward import output_head_returns_hidden, response_terms, unwrap_model
 from colossal_rl.training.sequence_layout import ForwardLayout, block_layout, padded_layout
+from colossal_rl.vision.inputs import model_vision_kwargs
+from colossal_rl.vision.rope import RopeTokens, sequence_positions
 
 
 class MicroBatchForward:
@@ -33,9 +35,12 @@ class MicroBatchForward:
         tp_group: torch.distributed.ProcessGroup | None,
         vocab_size: int,
         max_over_ranks: Callable[[int], int] | None,
+        rope_tokens: RopeTokens | None = None,
     ):
         """``tp_group``: set when logits come vocabulary-sharded (tensor parallelism). ``max_over_ranks``: the
-        maximum of an int over the data-parallel ranks (None: a single data-parallel rank)."""
+        maximum of an int over the data-parallel ranks (None: a single data-parallel rank). ``rope_tokens``: a
+        vision-language policy's image tokens (``vision/rope.py``): batches with images then get multimodal
+        positions and their images."""
         self.config = config
         self.layout = config.sequence_layout
         self.dtype = dtype
@@ -43,6 +48,7 @@ class MicroBatchForward:
         self.tp_group = tp_group
         self.vocab_size = vocab_size
         self.max_over_ranks = max_over_ranks
+        self.rope_tokens = rope_tokens
 
     @contextlib.contextmanager
     def output_head(self, model: torch.nn.Module) -> Iterator[torch.Tensor | None]:
@@ -78,8 +84,9 @@ class MicroBatchForward:
     def layout_of(self, part: RolloutBatch, group_size: int) -> ForwardLayout:
         """The layout of one micro-batch's samples, built on the samples' device."""
         tensors = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+        positions = self._prompt_positions(part)
         if self.layout == "padded":
-            return padded_layout(*tensors)
+            return padded_layout(*tensors, prompt_positions=positions)
         flash = self.config.train.attn_implementation == "flash_attention_2"
         return block_layout(
             *tensors,
@@ -87,7 +94,36 @@ class MicroBatchForward:
             shared_prompt=self.layout == "shared_prompt",
             pad_token_id=self.pad_token_id,
             mask_dtype=None if flash else self.dtype,
+            prompt_positions=positions,
         )
+
+    def _prompt_positions(self, part: RolloutBatch) -> list[torch.Tensor] | None:
+        """Each sample's multimodal prompt positions [3, p] when ``part`` has images, else None (1D positions)."""
+        if not part.vision:
+            return None
+        if self.rope_tokens is None:
+            raise ValueError("a batch with images reached a text-only policy")
+        prompt_ids, prompt_mask = part.prompt_ids.cpu(), part.prompt_mask.cpu().bool()
+        return [
+            sequence_positions(prompt_ids[s][prompt_mask[s]], None if v is None else v.image_grid_thw, self.rope_tokens)
+            for s, v in enumerate(part.vision)
+        ]
+
+    def model_inputs(
+        self, model: torch.nn.Module, part: RolloutBatch, forward: ForwardLayout
+    ) -> dict[str, torch.Tensor | None]:
+        """The forward's keyword inputs: the layout's; with images, input embeddings that carry the vision
+        tower's features of the prompts the rows hold, in their order (:func:`embed_with_images`)."""
+        if not part.vision:
+            return forward.inputs
+        owners = [part.vision[s] for s in forward.prompt_owners]
+        images = model_vision_kwargs(owners, part.prompt_ids.device, self.dtype)
+        inputs = dict(forward.inputs)
+        input_ids = inputs.pop("input_ids")
+        inputs["inputs_embeds"] = embed_with_images(
+            unwrap_model(model), input_ids, forward.prompt_token_mask, images, self.rope_tokens.image_token_id
+        )
+        return inputs
 
     def terms(
         self,
@@ -103,7 +139,7 @@ class MicroBatchForward:
         ``group_size``: samples per prompt group of the chunk ``part`` comes from (``part`` starts at a group).
         """
         forward = self.layout_of(part, group_size)
-        outputs = self._full_vocabulary(model(**forward.inputs).logits, head_weight)
+        outputs = self._full_vocabulary(model(**self.model_inputs(model, part, forward)).logits, head_weight)
         logprobs, entropy = forward.response_terms(
             outputs,
             part.response_ids,
@@ -134,3 +170,26 @@ class MicroBatchForward:
         from colossal_rl.training.booster_plugins import gather_vocab_parallel_logits
 
         return gather_vocab_parallel_logits(outputs, self.tp_group, self.vocab_size)
+
+
+def embed_with_images(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    prompt_token_mask: torch.Tensor,
+    images: dict[str, torch.Tensor],
+    image_token_id: int,
+) -> torch.Tensor:
+    """Token embeddings [rows, L, H] with the vision tower's features at the prompts' image tokens.
+
+    What Qwen2.5-VL's own forward does with ``input_ids`` and ``pixel_values``, except that only *prompt* image
+    tokens take image features: an image token the policy generated was embedded as a token when it was sampled
+    (decoding steps carry no pixels), so it is here too; the model's forward would instead fail (more image
+    tokens than features) or misplace the features."""
+    embeddings = model.get_input_embeddings()(input_ids)
+    if not images:
+        return embeddings
+    features = model.visual(images["pixel_values"].to(model.visual.dtype), grid_thw=images["image_grid_thw"])
+    slots = (input_ids == image_token_id) & prompt_token_mask.to(input_ids.device)
+    if int(slots.sum()) != features.shape[0]:
+        raise ValueError(f"{int(slots.sum())} image tokens in the prompts but {features.shape[0]} image features")
+    return embeddings.masked_scatter(slots.unsqueeze(-1).expand_as(embeddings), features.to(embeddings.dtype))

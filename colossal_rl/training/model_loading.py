@@ -25,12 +25,16 @@ def load_policy(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
 ) -> torch.nn.Module:
-    """The causal LM at ``path`` (hub name or local directory) in ``dtype`` on ``device``."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM at ``path`` (hub name or local directory) in ``dtype`` on ``device``; a vision-language
+    checkpoint (Qwen2.5-VL) loads as its image-text-to-text class, vision tower included."""
+    from transformers import AutoConfig
+
+    from colossal_rl.vision.models import auto_model_class
 
     device = torch.device(device)
     on_accelerator = device.type == "cuda"
-    model = AutoModelForCausalLM.from_pretrained(
+    auto_class = auto_model_class(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+    model = auto_class.from_pretrained(
         path,
         torch_dtype=dtype,
         attn_implementation=attn_implementation,

@@ -110,6 +110,13 @@ class ForwardLayout:
     """Block layouts: (row [T], column [T]) of the outputs predicting the T real response tokens."""
     token_index: tuple[torch.Tensor, torch.Tensor] | None = None
     """Block layouts: (sample [T], response position [T]) of those tokens."""
+    prompt_token_mask: torch.Tensor | None = None
+    """[rows, L] bool: True at prompt tokens (a vision-language forward puts image features only there: a
+    response may contain an image token, which generation embedded as text)."""
+    prompt_owners: tuple[int, ...] = ()
+    """The samples whose prompt tokens the rows hold, in the order they appear (row by row): the order a
+    vision-language forward takes their images in. Every sample for padded and packed; one a group for
+    shared_prompt."""
 
     def response_terms(
         self,
@@ -155,24 +162,55 @@ class ForwardLayout:
 
 
 def padded_layout(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    prompt_positions: list[torch.Tensor] | None = None,
 ) -> ForwardLayout:
-    """Today's layout with the micro-batch's unused padding columns cut: [n, P' + R'] rows."""
+    """Today's layout with the micro-batch's unused padding columns cut: [n, P' + R'] rows.
+
+    ``prompt_positions``: each sample's multimodal positions [3, p] of its real prompt tokens
+    (``vision/rope.py``); the layout's ``position_ids`` are then [3, n, P' + R'] (see :func:`multimodal_positions`).
+    """
     prompt_width = int(prompt_mask.sum(1).max())
     response_width = max(int(response_mask.sum(1).max()), 1)
     prompt_ids, prompt_mask = prompt_ids[:, -prompt_width:], prompt_mask[:, -prompt_width:]
     response_ids, response_mask = response_ids[:, :response_width], response_mask[:, :response_width]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    inputs = model_inputs(input_ids, attention_mask)
+    if prompt_positions is not None:
+        inputs["position_ids"] = _padded_multimodal_positions(prompt_positions, prompt_mask, response_mask)
     return ForwardLayout(
-        inputs=model_inputs(input_ids, attention_mask),
+        inputs=inputs,
         computed_tokens=input_ids.numel(),
         real_tokens=int(attention_mask.sum()),
         occupied_tokens=int(attention_mask.sum()),
         num_samples=input_ids.shape[0],
         response_length=response_width,
         prompt_length=prompt_width,
+        prompt_token_mask=torch.cat([prompt_mask.bool(), torch.zeros_like(response_mask, dtype=torch.bool)], dim=1),
+        prompt_owners=tuple(range(input_ids.shape[0])),
     )
+
+
+def _padded_multimodal_positions(
+    prompt_positions: list[torch.Tensor], prompt_mask: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """[3, n, P + R]: each prompt's positions on its real tokens, its response continuing all three axes from one
+    past the prompt's largest position; 1 at padding (as the model's own ``get_rope_index``)."""
+    n, prompt_width = prompt_mask.shape
+    positions = torch.ones(3, n, prompt_width + response_mask.shape[1], dtype=torch.long)
+    for sample, (prompt_length, response_length) in enumerate(
+        zip(prompt_mask.sum(1).tolist(), response_mask.sum(1).tolist(), strict=True)
+    ):
+        own = prompt_positions[sample]
+        positions[:, sample, prompt_width - prompt_length : prompt_width] = own
+        next_position = int(own.max()) + 1 if own.numel() else 0
+        positions[:, sample, prompt_width : prompt_width + response_length] = torch.arange(response_length) + next_position
+    return positions.to(prompt_mask.device)
 
 
 def block_layout(
@@ -185,8 +223,13 @@ def block_layout(
     shared_prompt: bool,
     pad_token_id: int,
     mask_dtype: torch.dtype | None,
+    prompt_positions: list[torch.Tensor] | None = None,
 ) -> ForwardLayout:
     """Packed (``shared_prompt`` False) or shared-prompt rows of the micro-batch's real tokens.
+
+    ``prompt_positions``: each sample's multimodal positions [3, p] of its real prompt tokens; ``position_ids``
+    are then [3, rows, L]: a block's prompt tokens take its first sample's, each response continues from one
+    past them on all three axes (what the padded layout gives each sample on its own).
 
     Samples are group-major (``group_size`` consecutive samples share a prompt; the micro-batch starts at a
     group boundary). ``mask_dtype``: dtype of the additive 4D mask (the model's); None builds no mask, for
@@ -210,6 +253,10 @@ def block_layout(
         "position_ids": as_tensor(tokens.position).view(len(rows), tokens.width),
         "attention_mask": None,
     }
+    if prompt_positions is not None:
+        inputs["position_ids"] = tokens.multimodal_positions(
+            prompt_positions, prompt_lengths, num_samples=prompt_ids.shape[0], prompt_width=prompt_ids.shape[1]
+        ).to(device)
     if mask_dtype is not None:
         inputs["attention_mask"] = block_attention_mask(
             as_tensor(tokens.block).view(len(rows), tokens.width),
@@ -225,6 +272,10 @@ def block_layout(
         response_length=response_ids.shape[1],
         prediction_index=(as_tensor(tokens.predict_row), as_tensor(tokens.predict_column)),
         token_index=(as_tensor(tokens.token_sample), as_tensor(tokens.token_position)),
+        prompt_token_mask=(
+            (as_tensor(tokens.segment) == 0) & (as_tensor(tokens.block) >= 0)
+        ).view(len(rows), tokens.width),
+        prompt_owners=tuple(block.samples[0] for row in rows for block in row),
     )
 
 
@@ -267,6 +318,8 @@ class _RowTokens:
     predict_column: list[int]
     token_sample: list[int]
     token_position: list[int]
+    response_width: int = 0
+    """R of the micro-batch's [n, R] responses (``source`` indexes them after the prompts)."""
 
     @classmethod
     def lay_out(
@@ -275,7 +328,7 @@ class _RowTokens:
         """``source`` indexes ``cat([prompt_ids.flatten(), response_ids.flatten(), [pad]])``."""
         pad_source = num_samples * (prompt_width + response_width)
         width = max(sum(block.length for block in row) for row in rows)
-        tokens = cls(width, [], [], [], [], [], [], [], [])
+        tokens = cls(width, [], [], [], [], [], [], [], [], response_width)
         block_id = 0
         for row_index, row in enumerate(rows):
             used = 0
@@ -289,6 +342,29 @@ class _RowTokens:
             tokens.block += [-1] * padding
             tokens.segment += [0] * padding
         return tokens
+
+    def multimodal_positions(
+        self, prompt_positions: list[torch.Tensor], prompt_lengths: list[int], *, num_samples: int, prompt_width: int
+    ) -> torch.Tensor:
+        """[3, rows, width] positions from the 1D ones: a prompt token takes its sample's multimodal position, a
+        response token shifts its 1D position by its sample's offset (one past the prompt's largest position,
+        minus the prompt's length); padding keeps its 1D position on all axes."""
+        prompt_end = num_samples * prompt_width
+        pad_source = prompt_end + num_samples * self.response_width
+        offsets = [
+            (int(own.max()) + 1 if own.numel() else 0) - length
+            for own, length in zip(prompt_positions, prompt_lengths, strict=True)
+        ]
+        columns = []
+        for source, position in zip(self.source, self.position, strict=True):
+            if source < prompt_end:
+                columns.append(prompt_positions[source // prompt_width][:, position])
+            elif source < pad_source:
+                sample = (source - prompt_end) // self.response_width
+                columns.append(torch.full((3,), position + offsets[sample], dtype=torch.long))
+            else:
+                columns.append(torch.full((3,), position, dtype=torch.long))
+        return torch.stack(columns, dim=1).view(3, -1, self.width)
 
     def _add_block(
         self,

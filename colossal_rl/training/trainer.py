@@ -37,6 +37,8 @@ from colossal_rl.training.micro_batch_forward import MicroBatchForward
 from colossal_rl.training.objective import objective_for
 from colossal_rl.training.policy_forward import model_inputs
 from colossal_rl.training.round_plan import epoch_steps
+from colossal_rl.vision.models import is_vision_language_config
+from colossal_rl.vision.rope import RopeTokens
 
 if TYPE_CHECKING:
     from colossalai.booster.plugin import Plugin
@@ -49,6 +51,11 @@ ADAPTER_DIR = "adapter"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 __all__ = ["Trainer", "training_device"]
+
+
+def rope_tokens_of(model_config) -> RopeTokens | None:
+    """A vision-language policy's image tokens (its batches with images get multimodal positions); None for text."""
+    return RopeTokens.of(model_config) if is_vision_language_config(model_config) else None
 
 
 def training_device() -> torch.device:
@@ -159,6 +166,10 @@ class Trainer:
             from colossal_rl.training.lora import add_lora_adapters
 
             model = add_lora_adapters(model, train)
+        if train.freeze_vision_tower:
+            from colossal_rl.vision.models import freeze_vision_tower
+
+            logger.info("froze the vision tower's %d parameter tensors", freeze_vision_tower(model))
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
         lr_scheduler = make_lr_scheduler(
@@ -196,6 +207,7 @@ class Trainer:
             tp_group=self.tp_group,
             vocab_size=self.vocab_size,
             max_over_ranks=self._global_max if self.dp_size > 1 else None,
+            rope_tokens=rope_tokens_of(model.config),
         )
         """The policy's micro-batch forward in the configured sequence layout (also used for the reference model)."""
 
@@ -562,6 +574,10 @@ class Trainer:
         from colossal_rl.training.full_state_dict import gather_stage_state_dict
 
         state = gather_stage_state_dict(self.model, self.plugin, self.optimizer)
+        if state is not None and self.config.train.freeze_vision_tower:
+            from colossal_rl.vision.models import without_vision_tower
+
+            state = without_vision_tower(state)  # it never changes: producers keep the tower they loaded
         if state is not None and self.config.train.lora_rank > 0:
             from colossal_rl.training.lora import adapter_state_dict, sync_fraction_report
 

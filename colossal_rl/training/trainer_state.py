@@ -66,19 +66,27 @@ def export_hf(
     tensor fails here rather than in whoever loads the export; dtype is the training precision. A model
     with its own code (``trust_remote_code``) is exported with that code, so the export loads like the original.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+    from colossal_rl.vision.models import auto_model_class, is_vision_language_config
 
     out_dir = Path(out_dir)
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    auto_class = auto_model_class(config)
     dtype = next(iter(state_dict.values())).dtype
     # Building the model draws throw-away initial weights from the global RNG. The trainer's random stream must
     # not move: a run resumed from this checkpoint restores the stream saved before the export (dropout masks).
     with torch.random.fork_rng(devices=[]):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+        model = auto_class.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
     model.load_state_dict(state_dict, strict=True)
     if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         type(model).register_for_auto_class("AutoModelForCausalLM")  # save_pretrained then copies its code
     model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+    if is_vision_language_config(config):  # the processor: tokenizer, image processor and chat template
+        AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(
+            out_dir
+        )
+    else:
+        AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     logger.info("exported a Hugging Face model to %s", out_dir)
     return out_dir

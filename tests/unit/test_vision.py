@@ -1,0 +1,267 @@
+"""Vision-language policies on a random-weight tiny Qwen2.5-VL (``vision_fixtures.py``): image prompts, their
+multimodal rotary positions against the model's own ``get_rope_index``, generation, the trainer's log-probs
+against a plain Hugging Face forward with the same images (every sequence layout), the frozen tower."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from trainer_harness import make_config, make_trainer
+from vision_fixtures import build_random_vlm, write_image_rows
+
+from colossal_rl.batch import RolloutBatch
+from colossal_rl.config import replace
+from colossal_rl.data import DataError, ImagePrompting, load_prompt_dataset
+from colossal_rl.rollout.backend import SamplingSettings
+from colossal_rl.rollout.transformers_backend import TransformersBackend
+from colossal_rl.vision.prompts import ImageDataError, row_images, with_image_parts
+from colossal_rl.vision.rope import RopeTokens, padded_positions, sequence_positions
+
+GROUP = 4
+TEMPERATURE = 0.9
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_random_vlm(tmp_path_factory.mktemp("vlm") / "model")
+
+
+@pytest.fixture(scope="module")
+def backend(vlm_dir):
+    return TransformersBackend(str(vlm_dir))
+
+
+@pytest.fixture(scope="module")
+def image_rows(tmp_path_factory):
+    return write_image_rows(tmp_path_factory.mktemp("rows") / "train.jsonl", [1, 2, 3, 4])
+
+
+def load(path, backend, **kwargs):
+    prompting = ImagePrompting(processor=backend.processor, **kwargs)
+    return load_prompt_dataset(path, backend.tokenizer, "Count.", 512, None, prompting)
+
+
+# ------------------------------------------------------------------ prompts and placeholders
+def test_markers_become_image_parts_in_place_and_prompts_without_markers_open_with_their_images():
+    marked = with_image_parts([{"role": "user", "content": "A<image>B<image>"}], 2, "row 1")
+    assert marked[0]["content"] == [
+        {"type": "text", "text": "A"},
+        {"type": "image"},
+        {"type": "text", "text": "B"},
+        {"type": "image"},
+    ]
+    unmarked = with_image_parts([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}], 1, "row 1")
+    assert unmarked[0]["content"] == [{"type": "text", "text": "S"}]
+    assert unmarked[1]["content"] == [{"type": "image"}, {"type": "text", "text": "Q"}]
+    with pytest.raises(ImageDataError, match="row 7: the prompt has 2 <image> markers but 1 images"):
+        with_image_parts([{"role": "user", "content": "<image><image>"}], 1, "row 7")
+
+
+def test_each_image_expands_to_one_token_per_merged_patch(backend, image_rows):
+    dataset = load(image_rows, backend)
+    image_token = backend.model.config.image_token_id
+    for index in range(len(dataset)):
+        vision = dataset.vision_inputs(index)
+        tokens = torch.tensor(dataset.prompt_ids[index])
+        assert vision.image_grid_thw.tolist() == [[1, 4, 4]]  # 56 x 56 pixels, 14-pixel patches
+        assert int((tokens == image_token).sum()) == 4  # 16 patches, merged 2 x 2
+        assert vision.pixel_values.shape == (16, 3 * 2 * 14 * 14)
+    text = backend.tokenizer.decode(dataset.prompt_ids[0])
+    assert text.startswith("<|system|>Count.<|user|><|vision_start|><|image_pad|>")
+    assert text.endswith("<|vision_end|>How many?<|assistant|>")
+
+
+def test_max_pixels_bounds_the_image_tokens(backend, image_rows):
+    dataset = load(image_rows, backend, min_pixels=112 * 112, max_pixels=112 * 112)
+    assert dataset.vision_inputs(0).image_grid_thw.tolist() == [[1, 8, 8]]
+    assert int((torch.tensor(dataset.prompt_ids[0]) == backend.model.config.image_token_id).sum()) == 16
+
+
+def test_rows_over_the_image_limit_are_left_out_and_counted(backend, tmp_path):
+    path = write_image_rows(tmp_path / "rows.jsonl", [1, 2])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[1]["images"] = rows[1]["images"] * 2
+    rows[1]["messages"]["content"] = "<image><image>How many?"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = load(path, backend, limit_images=1)
+    assert (len(dataset), dataset.dropped_too_many_images) == (1, 1)
+    assert len(load(path, backend).vision_inputs(1).image_grid_thw) == 2
+    with pytest.raises(DataError, match="1 of 2 have more than --limit-images = 1 images, the other 1 are longer"):
+        prompting = ImagePrompting(processor=backend.processor, limit_images=1)
+        load_prompt_dataset(path, backend.tokenizer, "Count.", 10, None, prompting)
+
+
+def test_a_missing_image_is_an_error_naming_the_file_and_row(backend, tmp_path):
+    path = write_image_rows(tmp_path / "rows.jsonl", [1, 2])
+    (tmp_path / "images" / "1.png").unlink()
+    with pytest.raises(ImageDataError, match=r"rows.jsonl row 2, images\[0\]: cannot read image images/1.png"):
+        load(path, backend)
+    with pytest.raises(ImageDataError, match="must be a path"):
+        row_images({"images": [3]}, "images", tmp_path, "row 1")
+
+
+# ------------------------------------------------------------------ rotary positions
+def test_positions_equal_the_models_get_rope_index(backend, tmp_path):
+    model, tokens = backend.model, RopeTokens.of(backend.model.config)
+    wide = write_image_rows(tmp_path / "wide.jsonl", [1, 2], size=(112, 56))
+    dataset = load(wide, backend, min_pixels=56 * 112, max_pixels=56 * 112)  # a 4 x 8 grid: h != w
+    first, second = dataset.vision_inputs(0), dataset.vision_inputs(1)
+    text = backend.tokenizer("Hi<|vision_start|>", add_special_tokens=False)["input_ids"]
+    # two images with text between and after: [text, image 1, text, image 2, text]
+    pads = lambda v: [tokens.image_token_id] * int(v.image_grid_thw.prod() // 4)  # noqa: E731
+    end = backend.tokenizer("<|vision_end|>ok", add_special_tokens=False)["input_ids"]
+    two_images = torch.tensor(text + pads(first) + end + text + pads(second) + end)
+    grids = torch.cat([first.image_grid_thw, second.image_grid_thw])
+    assert first.image_grid_thw.tolist() == [[1, 4, 8]]
+    theirs, _ = model.get_rope_index(two_images[None], grids)
+    assert torch.equal(sequence_positions(two_images, grids, tokens), theirs[:, 0])
+    # left-padded rows of unequal length, one without images
+    ids = [dataset.prompt_ids[0], dataset.prompt_ids[1][5:], backend.tokenizer("plain text", add_special_tokens=False)["input_ids"]]
+    width = max(map(len, ids))
+    input_ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for row, seq in enumerate(ids):
+        input_ids[row, width - len(seq) :], mask[row, width - len(seq) :] = torch.tensor(seq), 1
+    row_grids = [first.image_grid_thw, None, None]
+    input_ids[1] = torch.where(input_ids[1] == tokens.image_token_id, 0, input_ids[1])  # row 2: text only
+    theirs, _ = model.get_rope_index(input_ids, first.image_grid_thw, attention_mask=mask)
+    assert torch.equal(padded_positions(input_ids, mask, row_grids, tokens), theirs)
+
+
+# ------------------------------------------------------------------ generation and the trainer's log-probs
+def rollout(backend, dataset, rows: list[int]) -> RolloutBatch:
+    torch.manual_seed(0)
+    vision = [dataset.vision_inputs(i) for i in rows]
+    sampling = SamplingSettings(temperature=TEMPERATURE, max_new_tokens=6)
+    out = backend.generate([dataset.prompt_ids[i] for i in rows], GROUP, sampling, vision)
+    n = out.prompt_ids.shape[0]
+    return RolloutBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        response_ids=out.response_ids,
+        response_mask=out.response_mask,
+        behaviour_logprobs=out.behaviour_logprobs,
+        rewards=torch.arange(n, dtype=torch.float32) % 2,
+        answer_correct=torch.zeros(n),
+        loss_mask=torch.ones(n),
+        truncated=out.truncated,
+        advantages=torch.linspace(-1, 1, n),
+        group_size=GROUP,
+        policy_version=0,
+        vision=tuple(v for v in vision for _ in range(GROUP)),
+    )
+
+
+def reference_logprobs(model, batch: RolloutBatch) -> torch.Tensor:
+    """Each sample alone, unpadded, through the plain HF forward (positions from the model's get_rope_index)."""
+    result = torch.zeros(batch.response_ids.shape)
+    with torch.no_grad():
+        for s in range(batch.num_samples):
+            prompt = batch.prompt_ids[s][batch.prompt_mask[s].bool()]
+            length = int(batch.response_mask[s].sum())
+            response = batch.response_ids[s, :length]
+            ids = torch.cat([prompt, response])[None]
+            vision = batch.vision[s]
+            logits = model(
+                input_ids=ids, pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw
+            ).logits[0, len(prompt) - 1 : -1]
+            result[s, :length] = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, response[:, None])[:, 0]
+    return result
+
+
+def without_generated_image_tokens(batch: RolloutBatch, image_token_id: int, replacement: int) -> RolloutBatch:
+    """The batch with any image token a (random) policy generated replaced by a text token: Hugging Face's own
+    forward cannot take image tokens beyond the images' (it fails), so the plain reference needs none."""
+    from dataclasses import replace as dataclass_replace
+
+    response_ids = batch.response_ids.masked_fill(batch.response_ids == image_token_id, replacement)
+    return dataclass_replace(batch, response_ids=response_ids)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared_prompt"])
+def test_trainer_logprobs_equal_a_plain_forward_with_the_same_images(vlm_dir, backend, image_rows, layout):
+    sampled = rollout(backend, load(image_rows, backend), [0, 2, 3])
+    assert int(sampled.response_mask.sum()) > 2 * sampled.num_samples  # responses of some length
+    image_token = backend.model.config.image_token_id
+    batch = without_generated_image_tokens(sampled, image_token, backend.tokenizer.convert_tokens_to_ids("a"))
+    config = make_config(train={"sequence_layout": layout, "microbatch_size": 8}, temperature=TEMPERATURE)
+    config = replace(config, model=replace(config.model, path=str(vlm_dir)))
+    trainer = make_trainer(config, device="cpu")
+    expected = reference_logprobs(backend.model, batch)
+    got = trainer.logprobs_no_grad(trainer.model, batch)
+    torch.testing.assert_close(got * batch.response_mask, expected, atol=1e-5, rtol=1e-5)
+    # The producer's incremental decoding (cache, positions continuing past the image, generated image tokens
+    # embedded as tokens) gave the log-probs the trainer gives the batch as sampled.
+    as_sampled = trainer.logprobs_no_grad(trainer.model, sampled) * sampled.response_mask
+    torch.testing.assert_close(sampled.behaviour_logprobs, as_sampled, atol=1e-4, rtol=1e-4)
+
+
+def test_a_response_with_an_image_token_is_embedded_as_a_token(vlm_dir, backend, image_rows):
+    """A policy may generate ``<|image_pad|>``: training on it neither fails nor gives it image features."""
+    batch = rollout(backend, load(image_rows, backend), [0])
+    image_token = backend.model.config.image_token_id
+    from dataclasses import replace as dataclass_replace
+
+    forced = dataclass_replace(batch, response_ids=batch.response_ids.clone())
+    forced.response_ids[0, 0] = image_token
+    forced.response_mask[0, :2] = 1
+    config = make_config(train={"sequence_layout": "packed", "microbatch_size": 8}, temperature=TEMPERATURE)
+    trainer = make_trainer(replace(config, model=replace(config.model, path=str(vlm_dir))), device="cpu")
+    got = trainer.logprobs_no_grad(trainer.model, forced)
+    # by hand: the embedding of the token itself, as decoding feeds it
+    prompt = forced.prompt_ids[0][forced.prompt_mask[0].bool()]
+    vision = forced.vision[0]
+    with torch.no_grad():
+        out = backend.model(
+            input_ids=prompt[None], pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
+            use_cache=True,
+        )
+        first = torch.log_softmax(out.logits[0, -1] / TEMPERATURE, -1)[image_token]
+        cache_position = torch.tensor([len(prompt)])
+        step = backend.model(
+            input_ids=torch.tensor([[image_token]]), past_key_values=out.past_key_values, cache_position=cache_position
+        )
+        second = torch.log_softmax(step.logits[0, -1] / TEMPERATURE, -1)[forced.response_ids[0, 1]]
+    torch.testing.assert_close(got[0, :2], torch.stack([first, second]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_groups_pixels_are_pickled_once(backend, image_rows):
+    batch = rollout(backend, load(image_rows, backend), [0, 1])
+    pixel_bytes = batch.vision[0].pixel_values.numel() * 4
+    text_only = pickle.dumps(replace_vision(batch, ()))
+    assert len(pickle.dumps(batch)) - len(text_only) < 2.2 * pixel_bytes  # two groups, not 2 x GROUP copies
+    assert pickle.loads(pickle.dumps(batch)).select_groups([1]).vision[0].image_grid_thw.tolist() == [[1, 4, 4]]
+
+
+def replace_vision(batch, vision):
+    from dataclasses import replace as dataclass_replace
+
+    return dataclass_replace(batch, vision=vision)
+
+
+# ------------------------------------------------------------------ the frozen vision tower
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_frozen_tower_gets_no_gradient_and_is_not_synced(vlm_dir, backend, image_rows, freeze):
+    batch = rollout(backend, load(image_rows, backend), [0, 1])
+    config = make_config(train={"freeze_vision_tower": freeze, "microbatch_size": 8, "learning_rate": 1e-2})
+    config = replace(config, model=replace(config.model, path=str(vlm_dir)))
+    trainer = make_trainer(config, device="cpu")
+    before = {name: p.detach().clone() for name, p in trainer.model.unwrap().named_parameters()}
+    trainer.train_step(batch)
+    after = dict(trainer.model.unwrap().named_parameters())
+    tower = [name for name in before if name.startswith("visual.")]
+    language = [name for name in before if name.startswith("model.layers.")]
+    assert tower and language
+    assert all(not torch.equal(before[n], after[n]) for n in language if n.endswith("q_proj.weight"))
+    tower_changed = [n for n in tower if not torch.equal(before[n], after[n])]
+    synced = trainer.stage_state_dict()
+    if freeze:
+        assert tower_changed == [] and all(after[n].grad is None and not after[n].requires_grad for n in tower)
+        assert not any(name.startswith("visual.") for name in synced)
+    else:
+        assert tower_changed
+        assert set(tower) <= set(synced)
+    assert any(name.startswith("model.layers.") for name in synced)
