@@ -29,9 +29,11 @@ def check_inputs(config: RLConfig) -> CheckedInputs:
 
     keys = RowKeys.for_config(config)
     train_rows = load_prompt_rows(config.data.train_path, keys)
+    sources = {config.data.train_path: train_rows}
     for _, path in config.data.eval_paths:
-        load_prompt_rows(path, keys)
+        sources[path] = load_prompt_rows(path, keys)
     check_model(config.model.path)
+    check_images(config, sources, model_is_vision_language(config.model.path))
     if config.reward.reward_fn is not None:
         check_reward_plugin(config.reward.reward_fn, train_rows[0], config.data.train_path)
     return CheckedInputs(train_rows=len(train_rows))
@@ -55,6 +57,61 @@ def check_model(model: str) -> None:
             f"-m/--model: {model!r} is not a local directory, not in the Hugging Face cache, and the hub is not "
             "reachable (download it where there is network, or give a local path)"
         )
+
+
+def model_is_vision_language(model: str) -> bool:
+    """Whether the model's config.json (local, or in the hub cache) has a ``vision_config``; False if unreadable
+    here (the producers' and trainers' own loads then say why)."""
+    import json
+
+    path = Path(model).expanduser() / "config.json"
+    if not path.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json")
+        if not isinstance(cached, str):
+            return False
+        path = Path(cached)
+    try:
+        return json.loads(path.read_text()).get("vision_config") is not None
+    except (OSError, ValueError):
+        return False
+
+
+def check_images(config: RLConfig, sources: dict[str, list[dict]], vision_language: bool) -> None:
+    """Images only with a vision-language model, and only where it can train; every image file a row names exists."""
+    from colossal_rl.data import source_directory
+
+    key = config.data.image_key
+    parallel = config.parallel
+    if not vision_language:
+        if config.train.freeze_vision_tower:
+            raise InputError(f"--freeze-vision-tower: -m/--model {config.model.path} has no vision tower")
+        for source, rows in sources.items():
+            for number, row in enumerate(rows, 1):
+                if row.get(key):
+                    raise InputError(
+                        f"{source} row {number} has images (--image-key {key}) but -m/--model {config.model.path} is "
+                        "a text-only model: use a vision-language model (Qwen2.5-VL), or drop the column"
+                    )
+        return
+    if parallel.tp_size > 1 or parallel.pp_size > 1:
+        raise InputError(
+            f"-m/--model {config.model.path} is a vision-language model: it trains under DDP and ZeRO only "
+            "(ColossalAI 0.5.0 has no tensor/pipeline shard policy for Qwen2.5-VL); drop -tp/-pp"
+        )
+    for source, rows in sources.items():
+        base = source_directory(source)
+        for number, row in enumerate(rows, 1):
+            values = row.get(key) or []
+            for index, value in enumerate(values if isinstance(values, list | tuple) else [values]):
+                if isinstance(value, str) and not _resolve(value, base).is_file():
+                    raise InputError(f"{source} row {number}: {key}[{index}] {value!r}: no such image file")
+
+
+def _resolve(path: str, base: Path) -> Path:
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() else base / candidate
 
 
 def check_reward_plugin(spec: str, row: dict, source: str) -> None:

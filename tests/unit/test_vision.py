@@ -265,3 +265,64 @@ def test_a_frozen_tower_gets_no_gradient_and_is_not_synced(vlm_dir, backend, ima
         assert tower_changed
         assert set(tower) <= set(synced)
     assert any(name.startswith("model.layers.") for name in synced)
+
+
+# ------------------------------------------------------------------ checks before Ray starts
+def vision_config(vlm_dir, rows, **parallel):
+    from colossal_rl.config import RLConfig
+
+    config = RLConfig()
+    return replace(
+        config,
+        model=replace(config.model, path=str(vlm_dir)),
+        data=replace(config.data, train_path=str(rows), eval_paths=()),
+        parallel=replace(config.parallel, **parallel),
+    )
+
+
+def test_input_checks_refuse_what_cannot_train_naming_it(vlm_dir, image_rows, tmp_path):
+    from colossal_rl.config import EMBEDDED_MODEL_DIR
+    from colossal_rl.input_checks import InputError, check_inputs
+
+    assert check_inputs(vision_config(vlm_dir, image_rows)).train_rows == 4
+    with pytest.raises(InputError, match="vision-language model: it trains under DDP and ZeRO only"):
+        check_inputs(vision_config(vlm_dir, image_rows, tp_size=2))
+    text_model = vision_config(EMBEDDED_MODEL_DIR, image_rows)
+    with pytest.raises(InputError, match=r"train.jsonl row 1 has images \(--image-key images\) but .* text-only"):
+        check_inputs(text_model)
+    frozen = replace(text_model, data=replace(text_model.data, train_path=str(tmp_path / "t.jsonl")))
+    (tmp_path / "t.jsonl").write_text('{"messages": "1+1=?", "gt_answer": "2"}\n')
+    frozen = replace(frozen, train=replace(frozen.train, freeze_vision_tower=True))
+    with pytest.raises(InputError, match="--freeze-vision-tower: .* has no vision tower"):
+        check_inputs(frozen)
+    missing = write_image_rows(tmp_path / "m" / "rows.jsonl", [1, 2, 3])
+    (missing.parent / "images" / "2.png").unlink()
+    with pytest.raises(InputError, match=r"rows.jsonl row 3: images\[0\] 'images/2.png': no such image file"):
+        check_inputs(vision_config(vlm_dir, missing))
+
+
+# ------------------------------------------------------------------ a producer's round and evaluation
+def test_a_producer_round_carries_each_groups_images_once_and_evaluates_with_them(vlm_dir, image_rows):
+    from colossal_rl.reward import build_reward_scorer
+    from colossal_rl.rollout.producer import Producer
+
+    config = vision_config(vlm_dir, image_rows)
+    config = replace(
+        config,
+        data=replace(config.data, eval_paths=(("shapes", str(image_rows)),)),
+        schedule=replace(config.schedule, inference_batch_size=2),
+        generation=replace(config.generation, num_generations=3, microbatch_size=2, max_new_tokens=4),
+        train=replace(config.train, batch_size=2, minibatch_size=2, microbatch_size=6),
+    ).validate()
+    producer = Producer(0, config, build_reward_scorer("boxed", timeout_s=5.0, num_workers=1))
+    batch, _ = producer.produce(0)
+    assert len(batch.vision) == batch.num_samples == 6
+    for group in range(2):
+        shared = {id(v) for v in batch.vision[group * 3 : group * 3 + 3]}
+        assert len(shared) == 1  # one object per group: pickled, and sent, once
+        row = batch.data_indices[group]
+        expected = producer.train_data.vision_inputs(row)
+        assert torch.equal(batch.vision[group * 3].pixel_values, expected.pixel_values)
+    (result,) = producer.evaluate(num_producers=1)
+    assert (result.task, result.num_prompts) == ("shapes", 4)
+    assert all(record["status"] for record in result.records)
