@@ -88,6 +88,16 @@ class PromptDataset:
         where = f"{self.path} row {index + 1}"
         return self.images.encode(self.rows[index], self.system_prompt, source_directory(self.path), where)[1]
 
+    def raw_images(self, index: int) -> list:
+        """Row ``index``'s images as RGB PIL images, before any processing ([] for a text-only dataset or row):
+        what the vLLM backend hands its engine, which processes them itself."""
+        if self.images is None:
+            return []
+        from colossal_rl.vision.prompts import row_images
+
+        where = f"{self.path} row {index + 1}"
+        return row_images(self.rows[index], self.images.image_key, source_directory(self.path), where)
+
 
 def source_directory(source: str | Path) -> Path:
     """Where a source's relative image paths start: a file's directory, or a saved dataset's own directory."""

@@ -19,6 +19,22 @@ OPTIONAL_ACCELERATOR_WARNINGS = (
 )
 OPTIONAL_ACCELERATOR_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
 """Loggers that only report optional kernels missing (``kernels-community`` 4-bit CPU ops) at WARNING."""
+NOTICE_LOGGERS = {
+    # transformers 4.51 on loading a saved (slow) image processor: the slow one is what the checkpoint asks for,
+    # and what every producer, trainer and the export load alike; asking for it explicitly (use_fast=False)
+    # would also make AutoProcessor load the slow tokenizer, which a fast-only tokenizer does not have.
+    "transformers.models.auto.image_processing_auto": "Using a slow image processor as `use_fast` is unset",
+}
+"""Logger -> the start of one message of it that is a notice, not a problem; the logger's other lines still show."""
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def quiet_optional_accelerator_notices() -> None:
@@ -26,3 +42,7 @@ def quiet_optional_accelerator_notices() -> None:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
     for name in OPTIONAL_ACCELERATOR_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for name, prefix in NOTICE_LOGGERS.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.prefix == prefix for f in target.filters):
+            target.addFilter(_DropMessage(prefix))

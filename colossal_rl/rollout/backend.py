@@ -67,12 +67,18 @@ class GenerationOutput:
 
 
 class InferenceBackend(Protocol):
-    def generate(self, prompts: list[list[int]], num_samples: int, sampling: SamplingSettings) -> GenerationOutput:
-        """Sample ``num_samples`` responses for every prompt."""
+    def generate(
+        self, prompts: list[list[int]], num_samples: int, sampling: SamplingSettings, vision=None, images=None
+    ) -> GenerationOutput:
+        """Sample ``num_samples`` responses for every prompt. Vision-language models: ``vision`` holds each
+        prompt's processed images (``VisionInputs`` or None), and ``images`` its raw PIL images for a backend that
+        processes them itself (``takes_raw_images``, vLLM)."""
         ...
 
-    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        """Replace the model weights (full, unsharded, Hugging Face names)."""
+    def load_weights(self, named_tensors: dict[str, torch.Tensor], *, partial: bool = False) -> None:
+        """Replace the model weights (unsharded, Hugging Face names). ``partial``: only some of the model's
+        weights on purpose (LoRA's merged layers); otherwise every weight must be reached (a frozen vision
+        tower may be left out as a whole)."""
         ...
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -117,6 +123,9 @@ def create_backend(
     max_sequence_tokens: int | None = None,
     trust_remote_code: bool = False,
     weights_dtype: str = "auto",
+    images_per_prompt: int | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
 ) -> InferenceBackend:
     """The backend ``name``; ``vllm_engine``, ``max_sequence_tokens`` (prompt + response) and ``weights_dtype``
     concern vLLM only.
@@ -124,6 +133,8 @@ def create_backend(
     ``trust_remote_code`` lets the model's own code (``auto_map`` in its config) load, in either backend.
     ``weights_dtype``: the dtype the engine holds weights in ("float32", "bfloat16", "float16"): the trainers'
     precision, so synced weights are held exactly ("auto" would run a float32 config in float16).
+    ``images_per_prompt``, ``min_pixels``, ``max_pixels``: a vision-language model's image limits, for vLLM's own
+    image processing (the transformers backend's prompts come processed).
     """
     require_backend(name)
     if name == "vllm":
@@ -137,6 +148,9 @@ def create_backend(
             max_sequence_tokens=max_sequence_tokens,
             trust_remote_code=trust_remote_code,
             dtype=weights_dtype,
+            images_per_prompt=images_per_prompt,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
         )
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm backend")

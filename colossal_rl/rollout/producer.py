@@ -96,6 +96,9 @@ class Producer:
             max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
             trust_remote_code=config.model.trust_remote_code,
             weights_dtype=VLLM_DTYPES[config.parallel.precision],
+            images_per_prompt=config.data.limit_images,
+            min_pixels=config.data.min_pixels,
+            max_pixels=config.data.max_pixels,
         )
 
     def _image_prompting(self, config: RLConfig) -> ImagePrompting | None:
@@ -119,13 +122,21 @@ class Producer:
         """Responses to rows ``indices`` of ``dataset``, and each sample's vision inputs (() for text prompts)."""
         chunk = self.config.generation.microbatch_size
         vision = [dataset.vision_inputs(i) for i in indices] if dataset.images is not None else None
+        # vLLM processes raw images itself (the batch still carries our processed ones, for the trainers)
+        raw = vision is not None and getattr(self.backend, "takes_raw_images", False)
+        images = [dataset.raw_images(i) for i in indices] if raw else None
         parts = []
         for start in range(0, len(indices), chunk):
             prompts = [dataset.prompt_ids[i] for i in indices[start : start + chunk]]
             if vision is None:
                 parts.append(self.backend.generate(prompts, num_samples, sampling))
-            else:
+            elif images is None:
                 parts.append(self.backend.generate(prompts, num_samples, sampling, vision[start : start + chunk]))
+            else:
+                part_images = images[start : start + chunk]
+                parts.append(
+                    self.backend.generate(prompts, num_samples, sampling, vision[start : start + chunk], part_images)
+                )
         per_sample = () if vision is None else tuple(v for v in vision for _ in range(num_samples))
         return concat_generation_outputs(parts, self.backend.pad_token_id), per_sample
 
@@ -201,9 +212,10 @@ class Producer:
             raise ValueError(
                 f"producer {self.rank}: weights version {policy_version} is not newer than {self.policy_version}"
             )
-        if self.config.train.lora_rank > 0:
+        lora = self.config.train.lora_rank > 0
+        if lora:
             named_tensors = self._merge_adapters(named_tensors)
-        self.backend.load_weights(named_tensors)
+        self.backend.load_weights(named_tensors, partial=lora)
         self.policy_version = policy_version
 
     def _merge_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -139,7 +139,8 @@ class TransformersBackend:
         )
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, named_tensors: dict[str, torch.Tensor], *, partial: bool = False) -> None:
+        """Copy the given weights in (any subset: ``partial`` changes nothing here)."""
         own = self.model.state_dict()
         unknown = sorted(set(named_tensors) - set(own))
         if unknown:

@@ -9,6 +9,16 @@ prefixes our gather may leave (``module.``), drop tensors vLLM does not hold (``
 and not send ``lm_head.weight`` of a model whose output layer is tied to its embeddings (vLLM holds
 one tensor for both).
 
+Vision-language models (Qwen2.5-VL, transformers 4.51 names ``visual.*``, ``model.*``, ``lm_head.*``). vLLM 0.7.3's
+``Qwen2_5_VLForConditionalGeneration.load_weights`` (vllm/model_executor/models/qwen2_5_vl.py:1093-1097) takes the
+Hugging Face names too: its ``hf_to_vllm_mapper`` (:760-763) renames ``model.`` -> ``language_model.model.`` and
+``lm_head.`` -> ``language_model.lm_head.``, and ``AutoWeightsLoader`` (models/utils.py:159-235) hands each top-level
+group to the child's own loader: ``visual.*`` to ``Qwen2_5_VisionTransformer.load_weights`` (:651-679, which fuses
+only q/k/v, names HF's vision weights never contain: its parameters carry HF's names), ``language_model.*`` to the
+Qwen2 loader above. Both loaders take any subset of names and return what they loaded, so a sync without the
+frozen vision tower loads; ``load_weights_on_worker`` then accepts the tower as untouched (``omissible``).
+``MULTIMODAL_NAMES`` mirrors the mapper; the contract probe compares it with the installed vLLM's.
+
 Routing. A producer with ``-ptp > 1`` runs one vLLM worker per GPU; each holds a shard and must
 load the new weights itself. The route is chosen from the installed engine (``weight_load_route``):
 
@@ -33,13 +43,16 @@ import importlib.metadata
 import logging
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = frozenset({"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"})
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2_5_VLForConditionalGeneration"}
+)
 """Architectures whose vLLM ``load_weights`` takes Hugging Face names (checked against vLLM 0.7.3)."""
 
 # (fused vLLM parameter, Hugging Face part it is built from, shard id): the table in vLLM 0.7.3's
@@ -51,9 +64,36 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
+VISION_STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = STACKED_PARAMS[:3]
+"""The table of vLLM 0.7.3's ``Qwen2_5_VisionTransformer.load_weights``: q/k/v only (the tower's MLP keeps
+``gate_proj``/``up_proj`` apart)."""
+
+
+@dataclass(frozen=True)
+class MultimodalNames:
+    """Where a vision-language model's Hugging Face weights live in vLLM 0.7.3."""
+
+    hf_to_vllm_prefixes: tuple[tuple[str, str], ...]
+    """The model's ``hf_to_vllm_mapper.orig_to_new_prefix``, in its order (applied one after the other)."""
+    language_model: str
+    """The vLLM architecture of the inner language model, whose loader fuses ``STACKED_PARAMS``."""
+    vision_prefix: str
+    """The vision tower's names (the same in both libraries); its loader fuses ``VISION_STACKED_PARAMS`` only."""
+
+
+MULTIMODAL_NAMES: dict[str, MultimodalNames] = {
+    "Qwen2_5_VLForConditionalGeneration": MultimodalNames(
+        hf_to_vllm_prefixes=(("lm_head.", "language_model.lm_head."), ("model.", "language_model.model.")),
+        language_model="Qwen2ForCausalLM",
+        vision_prefix="visual.",
+    ),
+}
+"""vllm/model_executor/models/qwen2_5_vl.py (0.7.3): the mapper at :760-763, ``self.visual`` at :774, and
+``self.language_model``, a ``Qwen2ForCausalLM``, at :781-785."""
+
 WRAPPER_PREFIXES = ("model.module.", "module.", "_orig_mod.")
 """Prefixes that wrappers (DDP, ColossalAI's model wrapper, torch.compile) put before the model's own names."""
-SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", "rotary_pos_emb.inv_freq")
 """Buffers some checkpoints carry and vLLM recomputes."""
 TIED_OUTPUT_WEIGHT = "lm_head.weight"
 
@@ -92,12 +132,44 @@ def to_vllm_weights(
     return weights
 
 
-def vllm_parameter_name(name: str) -> str:
-    """The vLLM parameter a Hugging Face weight lands in (the substring rule of vLLM's loaders)."""
-    for fused, part, _ in STACKED_PARAMS:
+def known_architecture(architectures: Iterable[str] | None) -> str | None:
+    """The first of a config's ``architectures`` whose vLLM names we know (None: none of them)."""
+    return next((name for name in architectures or () if name in SUPPORTED_ARCHITECTURES), None)
+
+
+def _replace_prefixes(name: str, pairs: Iterable[tuple[str, str]]) -> str:
+    """``WeightsMapper._map_name``'s prefix rule: each matching prefix replaced, one pair after the other."""
+    for old, new in pairs:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+    return name
+
+
+def vllm_parameter_name(name: str, architecture: str | None = None) -> str:
+    """The vLLM parameter a Hugging Face weight lands in (the prefix mapper, then the substring rule of vLLM's
+    loaders); ``architecture``: the model's (``known_architecture``), None for a text model."""
+    table = STACKED_PARAMS
+    if (layout := MULTIMODAL_NAMES.get(architecture or "")) is not None:
+        name = _replace_prefixes(name, layout.hf_to_vllm_prefixes)
+        if name.startswith(layout.vision_prefix):
+            table = VISION_STACKED_PARAMS
+    for fused, part, _ in table:
         if part in name:
             return name.replace(part, fused)
     return name
+
+
+def hf_name_of_vllm(name: str, architecture: str | None = None) -> str:
+    """A vLLM parameter's name with the model's prefix mapping undone (fused names are left fused)."""
+    if (layout := MULTIMODAL_NAMES.get(architecture or "")) is None:
+        return name
+    return _replace_prefixes(name, [(new, old) for old, new in reversed(layout.hf_to_vllm_prefixes)])
+
+
+def omissible_prefixes(architecture: str | None) -> tuple[str, ...]:
+    """vLLM name prefixes a weight sync may leave out entirely: a vision-language model's (frozen) vision tower."""
+    layout = MULTIMODAL_NAMES.get(architecture or "")
+    return () if layout is None else (layout.vision_prefix,)
 
 
 def check_architecture(architectures: Iterable[str] | None) -> None:
@@ -113,15 +185,18 @@ def check_architecture(architectures: Iterable[str] | None) -> None:
 def from_vllm_weights(vllm_named: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
     """Hugging Face view of one unsharded vLLM worker's parameters (tensor-parallel size 1).
 
-    Splits ``qkv_proj``/``gate_up_proj`` back into their parts, trims the vocabulary padding vLLM adds
-    to embeddings and output layer, and restores ``lm_head.weight`` of a tied model.
+    Undoes a vision-language model's prefix mapping (``language_model.model.*`` -> ``model.*``; the vision tower's
+    names are the same in both), splits ``qkv_proj``/``gate_up_proj`` back into their parts, trims the vocabulary
+    padding vLLM adds to embeddings and output layer, and restores ``lm_head.weight`` of a tied model.
     """
+    architecture = known_architecture(getattr(hf_config, "architectures", None))
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     q_size = hf_config.num_attention_heads * head_dim
     kv_size = hf_config.num_key_value_heads * head_dim
     vocab_size = hf_config.vocab_size
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in vllm_named.items():
+    for vllm_name, tensor in vllm_named.items():
+        name = hf_name_of_vllm(vllm_name, architecture)
         if ".qkv_proj." in name:
             parts = tensor.split([q_size, kv_size, kv_size], dim=0)
             for part_name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
@@ -195,18 +270,30 @@ def worker_model(worker: Any) -> torch.nn.Module:
     return worker.model_runner.model
 
 
-def load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
+def load_weights_on_worker(
+    worker: Any,
+    weights: list[tuple[str, torch.Tensor]],
+    architecture: str | None = None,
+    omissible: tuple[str, ...] = (),
+) -> list[str]:
     """Load ``weights`` (names from ``to_vllm_weights``) into this worker's shard; return parameters not reached.
 
-    Unknown names fail here, naming them, instead of as a bare ``KeyError`` deep in vLLM's loader.
+    ``architecture``: the model's (``known_architecture``), for its names. ``omissible``: vLLM name prefixes of
+    parameters a sync may leave out as a whole (a frozen vision tower): when no weight under one is sent, its
+    parameters do not count as not reached; ``""`` among them: a partial sync (LoRA), nothing is checked. Unknown names fail here, naming them, instead of as a bare
+    ``KeyError`` deep in vLLM's loader.
     """
     model = worker_model(worker)
     parameters = {name for name, _ in model.named_parameters()}
-    unknown = sorted(name for name, _ in weights if vllm_parameter_name(name) not in parameters)
+    targets = {name: vllm_parameter_name(name, architecture) for name, _ in weights}
+    unknown = sorted(name for name, target in targets.items() if target not in parameters)
     if unknown:
         raise KeyError(f"weights the vLLM model does not have: {unknown[:5]} ({len(unknown)} in all)")
     loaded = model.load_weights(weights)
-    return sorted(parameters - set(loaded or ()))
+    if "" in omissible:  # a partial sync on purpose (LoRA's merged layers): nothing else is expected
+        return []
+    left_out = tuple(p for p in omissible if not any(target.startswith(p) for target in targets.values()))
+    return sorted(name for name in parameters - set(loaded or ()) if not name.startswith(left_out))
 
 
 def named_weights_on_worker(worker: Any) -> dict[str, torch.Tensor]:

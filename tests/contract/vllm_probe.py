@@ -1,7 +1,9 @@
 """Check, inside a process that can ``import vllm`` (the pinned release), every vLLM name our backend uses.
 
 Each check returns its problems (none: the contract holds). What is checked comes from our code where it can:
-keyword arguments from calling ``engine_kwargs``, ``vllm_requests`` and ``sampling_params_kwargs``; calls,
+keyword arguments from calling ``engine_kwargs``, ``vllm_requests``, ``image_requests`` and ``sampling_params_kwargs``
+(a vision-language engine's on a random tiny Qwen2.5-VL, whose image request also goes through vLLM's own input
+preprocessor and multimodal processor, on CPU, and must come out as our prompt ids and pixels); calls,
 attribute paths, compared finish reasons and environment variables from the source (AST) of ``vllm_backend.py``
 and ``vllm_weights.py``; output fields by running ``to_generation_output`` and ``worker_model`` on real vLLM
 objects (``vllm_uses.py`` does the source part). Each check also runs once on a planted mistake (a "control"),
@@ -18,6 +20,7 @@ import dataclasses
 import inspect
 import json
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,9 +31,11 @@ import torch
 import vllm
 import vllm.envs
 from vllm.config import ParallelConfig
+from vllm.inputs.preprocess import InputPreprocessor
 from vllm.model_executor.models import ModelRegistry
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sequence import Logprob, SequenceStatus
+from vllm.transformers_utils.tokenizer_group import get_tokenizer_group
 from vllm.utils import run_method
 from vllm.worker.worker_base import WorkerWrapperBase
 from vllm_uses import model_types, use_problems
@@ -38,6 +43,15 @@ from vllm_uses import model_types, use_problems
 from colossal_rl.config import EMBEDDED_MODEL_DIR, VllmEngineConfig
 from colossal_rl.rollout import vllm_backend, vllm_weights
 from colossal_rl.rollout.backend import SamplingSettings
+from colossal_rl.vision.prompts import encode_vision_prompt, with_image_parts
+from colossal_rl.vision.rope import RopeTokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from vision_fixtures import build_random_vlm, draw_shapes  # noqa: E402
+
+VL = "Qwen2_5_VLForConditionalGeneration"
+PIXELS = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
+"""The pixel bounds of the probe's vision-language engine and of our encoding of its image prompt."""
 
 
 def module_source(module: Any) -> str:
@@ -47,8 +61,9 @@ def module_source(module: Any) -> str:
 # --- the checks -------------------------------------------------------------------------------------------------
 
 
-def engine_variants() -> list[dict[str, Any]]:
-    """``vllm.LLM`` keyword arguments as our backend builds them: one GPU, tensor-parallel, explicit dtype."""
+def engine_variants(vlm_dir: Path) -> list[dict[str, Any]]:
+    """``vllm.LLM`` keyword arguments as our backend builds them: one GPU, tensor-parallel, explicit dtype, and a
+    vision-language model's (``vlm_dir``: a tiny Qwen2.5-VL)."""
     model = str(EMBEDDED_MODEL_DIR)
     engine = VllmEngineConfig(max_model_len=128)
     return [
@@ -62,7 +77,13 @@ def engine_variants() -> list[dict[str, Any]]:
             dtype="float32",
             trust_remote_code=True,
         ),  # fmt: skip
+        vision_engine_kwargs(vlm_dir),
     ]
+
+
+def vision_engine_kwargs(vlm_dir: Path) -> dict[str, Any]:
+    return vllm_backend.engine_kwargs(str(vlm_dir), VllmEngineConfig(), tensor_parallel_size=1, seed=0, max_len=512,
+                                      dtype="float32", vision_language=True, images_per_prompt=2, **PIXELS)  # fmt: skip
 
 
 def llm_keyword_problems(variants: list[dict[str, Any]]) -> list[str]:
@@ -85,6 +106,13 @@ def llm_keyword_problems(variants: list[dict[str, Any]]) -> list[str]:
             continue
         if kwargs["dtype"] != "auto" and model_config.dtype != getattr(torch, kwargs["dtype"]):
             problems.append(f"dtype={kwargs['dtype']!r} gave {model_config.dtype}")
+        if "limit_mm_per_prompt" in kwargs:
+            held = model_config.multimodal_config and dict(model_config.multimodal_config.limit_per_prompt)
+            if (
+                held != kwargs["limit_mm_per_prompt"]
+                or model_config.mm_processor_kwargs != kwargs["mm_processor_kwargs"]
+            ):
+                problems.append(f"vLLM holds limits {held} and processor kwargs {model_config.mm_processor_kwargs}")
     return problems
 
 
@@ -121,6 +149,55 @@ def sampling_problems(params: list[dict[str, Any]]) -> list[str]:
             kept = getattr(built, key, None)
             if kept != value and not (value is None and kept == []):  # vLLM turns stop=None into []
                 problems.append(f"SamplingParams({key}={value!r}) holds {kept!r}")
+    return problems
+
+
+def image_request(vlm_dir: Path) -> tuple[dict[str, Any], list[int], Any]:
+    """Our ``TokensPrompt`` for a two-image prompt (4 and 12 image tokens) as the backend builds it, our prompt ids
+    (pads expanded) and ``VisionInputs``."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+    images = [
+        Image.open(draw_shapes(vlm_dir / "probe_a.png", 2)).convert("RGB"),
+        Image.open(draw_shapes(vlm_dir / "probe_b.png", 3, size=(112, 84), seed=1)).convert("RGB"),
+    ]
+    messages = with_image_parts([{"role": "user", "content": "<image>and<image>: how many?"}], 2, "probe")
+    ours, vision = encode_vision_prompt(processor, messages, images, **PIXELS)
+    tokens = RopeTokens.of(AutoConfig.from_pretrained(vlm_dir))
+    counts = vllm_backend.image_token_counts(vision, tokens.spatial_merge_size)
+    prompts, data = vllm_backend.image_requests([ours], [images], image_token_id=tokens.image_token_id,
+                                                tokens_per_image=[counts], max_images=2)  # fmt: skip
+    (request,), _ = vllm_backend.vllm_requests(prompts, 1, SamplingSettings(temperature=1.0, max_new_tokens=8),
+                                               stop_token_ids=[0], seeds=[0], multi_modal_data=data)  # fmt: skip
+    return request, ours, vision
+
+
+def multimodal_prompt_problems(vlm_dir: Path, request: dict[str, Any], ours: list[int], vision: Any) -> list[str]:
+    """vLLM's own input preprocessor (the engine's path from a ``TokensPrompt`` with ``multi_modal_data``: its
+    multimodal processor, run on CPU) turns ``request`` into exactly our prompt ids, pixels and image grids."""
+    model_config = vllm.EngineArgs(**vision_engine_kwargs(vlm_dir)).create_model_config()
+    tokenizer = get_tokenizer_group(None, tokenizer_id=model_config.tokenizer, enable_lora=False, max_num_seqs=1,
+                                    max_input_length=None, tokenizer_mode=model_config.tokenizer_mode,
+                                    trust_remote_code=False, revision=None,
+                                    truncation_side=model_config.truncation_side)  # fmt: skip
+    try:
+        processed = InputPreprocessor(model_config, tokenizer).preprocess(request, request_id="probe")
+    except Exception as error:  # noqa: BLE001
+        return [f"vLLM refuses our image request: {type(error).__name__}: {error}"]
+    problems = []
+    got = list(processed["prompt_token_ids"])
+    if got != ours:
+        pad = RopeTokens.of(model_config.hf_config).image_token_id
+        problems.append(f"vLLM made {len(got)} prompt tokens ({got.count(pad)} image pads) of our request, whose "
+                        f"prompt has {len(ours)} ({ours.count(pad)})")  # fmt: skip
+    kwargs = processed["mm_kwargs"]
+    if not torch.equal(kwargs["image_grid_thw"], vision.image_grid_thw) or not torch.equal(
+        kwargs["pixel_values"], vision.pixel_values
+    ):
+        problems.append(f"vLLM's image grids {kwargs['image_grid_thw'].tolist()} or pixels differ from ours "
+                        f"({vision.image_grid_thw.tolist()})")  # fmt: skip
     return problems
 
 
@@ -221,9 +298,15 @@ def stacked_params_tables(source: str) -> list[set[tuple[Any, ...]]]:
     return tables
 
 
-def loader_problems(architectures: Iterable[str], stacked: Iterable[tuple[str, str, Any]]) -> list[str]:
+def loader_problems(
+    architectures: Iterable[str],
+    stacked: Iterable[tuple[str, str, Any]],
+    layouts: dict[str, vllm_weights.MultimodalNames] = vllm_weights.MULTIMODAL_NAMES,
+) -> list[str]:
     """Each supported architecture resolves in vLLM's registry, its ``load_weights`` returns the loaded names and
-    its module fuses q/k/v and gate/up exactly as ``STACKED_PARAMS`` says."""
+    its module fuses q/k/v and gate/up exactly as ``STACKED_PARAMS`` says. A vision-language one
+    (``MULTIMODAL_NAMES``): its ``hf_to_vllm_mapper`` renames prefixes as ours, its vision tower's loader fuses
+    ``VISION_STACKED_PARAMS``, and its language model is the architecture we name, checked as a text one."""
     ours = {(fused, part, shard) for fused, part, shard in stacked}
     problems = []
     for arch in sorted(architectures):
@@ -236,21 +319,48 @@ def loader_problems(architectures: Iterable[str], stacked: Iterable[tuple[str, s
         if returned not in ("typing.Set[str]", "set[str]"):
             problems.append(f"{arch}.load_weights returns {returned}, not the set of loaded names")
         tables = stacked_params_tables(inspect.getsource(inspect.getmodule(cls)))
-        if ours not in tables:
-            problems.append(f"{arch}: vLLM fuses {tables}, STACKED_PARAMS says {sorted(ours, key=str)}")
+        layout = layouts.get(arch)
+        if layout is None:
+            if ours not in tables:
+                problems.append(f"{arch}: vLLM fuses {tables}, STACKED_PARAMS says {sorted(ours, key=str)}")
+            continue
+        mapper = getattr(getattr(cls, "hf_to_vllm_mapper", None), "orig_to_new_prefix", None)
+        if list((mapper or {}).items()) != [tuple(pair) for pair in layout.hf_to_vllm_prefixes]:
+            problems.append(f"{arch}: vLLM maps prefixes {mapper}, MULTIMODAL_NAMES says {layout.hf_to_vllm_prefixes}")
+        vision = {tuple(row) for row in vllm_weights.VISION_STACKED_PARAMS}
+        if vision not in tables:
+            problems.append(f"{arch}: vLLM fuses {tables}, VISION_STACKED_PARAMS says {sorted(vision, key=str)}")
+        source = inspect.getsource(cls.__init__)
+        if f'architectures=["{layout.language_model}"]' not in source or "self.visual = " not in source:
+            problems.append(f"{arch}: its language model is not a {layout.language_model} under language_model.")
+        problems += loader_problems([layout.language_model], stacked)
     return problems
 
 
+def every_noticed(*reports: list[str]) -> list[str]:
+    """One control made of several planted mistakes: their problems, or none when any mistake went unnoticed."""
+    return [problem for report in reports for problem in report] if all(reports) else []
+
+
 def run_all() -> dict[str, dict[str, list[str]]]:
+    with tempfile.TemporaryDirectory() as directory:
+        return run_all_with(build_random_vlm(Path(directory) / "vlm"))
+
+
+def run_all_with(vlm_dir: Path) -> dict[str, dict[str, list[str]]]:
     backend_source, weights_source = module_source(vllm_backend), module_source(vllm_weights)
     models = model_types(vllm_weights.SUPPORTED_ARCHITECTURES)
     inputs, params = request_parts(sampling_variants())
+    request, ours, vision = image_request(vlm_dir)
+    expanded_request = {**request, "prompt_token_ids": ours}  # what vLLM would expand a second time
+    layout = vllm_weights.MULTIMODAL_NAMES[VL]
+    misplaced_language_model = dataclasses.replace(layout, hf_to_vllm_prefixes=(("model.", "language_model."),))
     misspelled_output = real_outputs()
     delattr(misspelled_output[1].outputs[0], "finish_reason")
     checks = {
-        "llm_keywords": llm_keyword_problems(engine_variants()),
+        "llm_keywords": llm_keyword_problems(engine_variants(vlm_dir)),
         "sampling_params": sampling_problems(params),
-        "prompts": prompt_problems(inputs),
+        "prompts": prompt_problems(inputs + [request]) + multimodal_prompt_problems(vlm_dir, request, ours, vision),
         "outputs": output_problems(real_outputs()),
         "finish_reasons": finish_reason_problems(backend_source),
         "backend_uses": use_problems(backend_source, "vllm_backend.py", models),
@@ -260,9 +370,18 @@ def run_all() -> dict[str, dict[str, list[str]]]:
         "model_loaders": loader_problems(vllm_weights.SUPPORTED_ARCHITECTURES, vllm_weights.STACKED_PARAMS),
     }
     controls = {
-        "llm_keywords": llm_keyword_problems([{**engine_variants()[0], "tensor_paralel_size": 2}]),
+        "llm_keywords": every_noticed(
+            llm_keyword_problems([{**engine_variants(vlm_dir)[0], "tensor_paralel_size": 2}]),
+            # image options for a text model, which vLLM refuses (the probe builds real configs)
+            llm_keyword_problems(
+                [{**vision_engine_kwargs(vlm_dir), "model": str(EMBEDDED_MODEL_DIR), "max_model_len": None}]
+            ),
+        ),
         "sampling_params": sampling_problems([{**params[0], "max_token": 8}]),
-        "prompts": prompt_problems([{"prompt_tokens_ids": [1, 2]}]),
+        "prompts": every_noticed(
+            prompt_problems([{"prompt_tokens_ids": [1, 2]}]),
+            multimodal_prompt_problems(vlm_dir, expanded_request, ours, vision),
+        ),
         "outputs": output_problems(misspelled_output),
         "finish_reasons": finish_reason_problems("done = completion.finish_reason == 'max_length'"),
         "backend_uses": use_problems("self.llm.generate(inputs, params, use_tqdmm=False)", "planted", models),
@@ -270,7 +389,10 @@ def run_all() -> dict[str, dict[str, list[str]]]:
         "weights_uses": use_problems("worker.model_runner.modle.load_weights(weights)", "planted", models),
         "environment": environment_problems("os.environ.setdefault('VLLM_USE_V2', '0')"),
         "collective_rpc": rpc_problems(lambda worker: worker.model_runer.model),
-        "model_loaders": loader_problems(["Qwen9ForCausalLM"], vllm_weights.STACKED_PARAMS),
+        "model_loaders": every_noticed(
+            loader_problems(["Qwen9ForCausalLM"], vllm_weights.STACKED_PARAMS),
+            loader_problems([VL], vllm_weights.STACKED_PARAMS, {VL: misplaced_language_model}),
+        ),
         "model_loaders_table": loader_problems(["Qwen2ForCausalLM"], [("qkv_proj", "q_proj", "query")]),
     }
     return {"checks": checks, "controls": controls}

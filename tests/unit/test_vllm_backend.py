@@ -1,22 +1,28 @@
 """The vLLM backend up to the engine call, on CPU without vLLM: sampling parameters, prompts, re-batching of
 vLLM-shaped outputs into our layout (checked against the transformers backend's own output), backend selection
-and the error when vLLM is missing.
+and the error when vLLM is missing; image prompts of a vision-language model (collapsed placeholders, raw images,
+our expanded prompt ids in the rows), and the whole ``VllmBackend`` driven through a fake ``vllm`` module.
 
 The fakes below are shaped like vLLM 0.7.3's ``RequestOutput``/``CompletionOutput``/``Logprob``
-(vllm/outputs.py, vllm/sequence.py); they stand for the engine, not for the code under test."""
+(vllm/outputs.py, vllm/sequence.py) and mimic its multimodal placeholder replacement (``vllm_073_expand``); they
+stand for the engine, not for the code under test. ``tests/contract`` runs the real processor."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+from vision_fixtures import build_random_vlm, draw_shapes
 
 from colossal_rl.config import EMBEDDED_MODEL_DIR, GenerationConfig, VllmEngineConfig
+from colossal_rl.data import ImagePrompting, load_prompt_dataset
 from colossal_rl.rollout import backend as backend_module
 from colossal_rl.rollout.backend import (
     BackendUnavailableError,
@@ -26,7 +32,11 @@ from colossal_rl.rollout.backend import (
     train_sampling,
 )
 from colossal_rl.rollout.vllm_backend import (
+    DEFAULT_IMAGES_PER_PROMPT,
+    collapse_image_pads,
     engine_kwargs,
+    image_requests,
+    image_token_counts,
     max_model_len,
     pad_and_eos_token_ids,
     request_prompts,
@@ -35,6 +45,7 @@ from colossal_rl.rollout.vllm_backend import (
     to_generation_output,
     vllm_requests,
 )
+from colossal_rl.vision.inputs import VisionInputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root
@@ -56,7 +67,7 @@ VLLM_073_SAMPLING_FIELDS = {
 VLLM_073_LLM_ARGUMENTS = {
     "model", "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "enforce_eager",
     "distributed_executor_backend", "enable_chunked_prefill", "max_model_len", "enable_prefix_caching",
-    "trust_remote_code",
+    "trust_remote_code", "limit_mm_per_prompt", "mm_processor_kwargs",
 }  # fmt: skip
 
 
@@ -195,6 +206,28 @@ def test_engine_arguments_come_from_the_config_and_are_vllm_073_arguments():
     )
 
 
+def test_engine_arguments_of_a_vision_language_model():
+    engine = VllmEngineConfig()  # chunked prefill on
+    kwargs = engine_kwargs(
+        "vlm", engine, tensor_parallel_size=1, seed=0, max_len=2048, vision_language=True, images_per_prompt=3,
+        min_pixels=3136, max_pixels=12544,
+    )  # fmt: skip
+    assert set(kwargs) <= VLLM_073_LLM_ARGUMENTS
+    assert kwargs["limit_mm_per_prompt"] == {"image": 3}
+    assert kwargs["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 12544}  # resized like our processor
+    assert kwargs["enable_chunked_prefill"] is False  # V0 cannot chunk a prompt's images
+    defaults = engine_kwargs("vlm", engine, tensor_parallel_size=1, seed=0, max_len=None, vision_language=True)
+    assert defaults["limit_mm_per_prompt"] == {"image": DEFAULT_IMAGES_PER_PROMPT} == {"image": 1}
+    assert defaults["mm_processor_kwargs"] is None  # the checkpoint's own processor settings
+    only_max = engine_kwargs("vlm", engine, tensor_parallel_size=1, seed=0, max_len=None, vision_language=True,
+                             max_pixels=50176)  # fmt: skip
+    assert only_max["mm_processor_kwargs"] == {"max_pixels": 50176}
+    # vLLM refuses limit_mm_per_prompt for a text model (config.py:423-433): a text model gets neither key.
+    text = engine_kwargs("m", engine, tensor_parallel_size=1, seed=0, max_len=None, images_per_prompt=3, max_pixels=9)
+    assert "limit_mm_per_prompt" not in text and "mm_processor_kwargs" not in text
+    assert text["enable_chunked_prefill"] is True
+
+
 def test_max_model_len_is_configured_or_prompt_plus_response_capped_by_the_model():
     assert max_model_len(8192, 4096, 32768) == 8192
     assert max_model_len(None, 512 + 3584, 32768) == 4096
@@ -224,6 +257,99 @@ def test_requests_carry_each_prompt_unpadded_with_its_own_seed():
     assert all(p["n"] == 1 and p["temperature"] == 0.0 for p in params)
     with pytest.raises(ValueError, match="2 seeds for 4 requests"):
         vllm_requests(prompts, 2, greedy, stop_token_ids=[0], seeds=[1, 2])
+
+
+# --- image prompts ---------------------------------------------------------------------------------------------
+
+PAD = 9  # <|image_pad|> of the prompts below; 7 and 8 stand for <|vision_start|> and <|vision_end|>
+
+
+def vllm_073_expand(prompt: list[int], image_token_id: int, counts: list[int]) -> list[int]:
+    """What vLLM 0.7.3's multimodal processor makes of a token prompt and ``len(counts)`` images: the prompt is
+    taken as is (vllm/multimodal/processing.py:972-981), then the first ``len(counts)`` single pads, in order, each
+    become their image's run (``_apply_prompt_replacements`` :1085-1154, ``_replace_matches`` :444-479); fewer pads
+    than images fail its placeholder validation (:1177-1194)."""
+    expanded, item = [], 0
+    for token in prompt:
+        if token == image_token_id and item < len(counts):
+            expanded += [image_token_id] * counts[item]
+            item += 1
+        else:
+            expanded.append(token)
+    if item < len(counts):
+        raise RuntimeError(f"Expected there to be {len(counts)} prompt replacements, found {item}")
+    return expanded
+
+
+def two_image_prompt() -> list[int]:
+    return [1, 7] + [PAD] * 4 + [8, 2, 7] + [PAD] * 12 + [8, 3]  # images of 4 and 12 tokens
+
+
+def test_vllm_would_expand_our_expanded_prompt_again_and_expands_the_collapsed_one_to_ours():
+    ours = two_image_prompt()
+    doubled = vllm_073_expand(ours, PAD, [4, 12])
+    assert doubled.count(PAD) == 4 + 12 + (16 - 2) and doubled != ours  # the reason to collapse
+    collapsed, runs = collapse_image_pads(ours, PAD)
+    assert collapsed == [1, 7, PAD, 8, 2, 7, PAD, 8, 3]
+    assert runs == [4, 12]
+    assert vllm_073_expand(collapsed, PAD, runs) == ours
+    assert collapse_image_pads([1, 2, 3], PAD) == ([1, 2, 3], [])
+
+
+def test_image_requests_collapse_each_prompt_and_carry_its_raw_images():
+    images = [["img0", "img1"], [], None]  # stand-ins for PIL images: they are passed through untouched
+    prompts = [two_image_prompt(), [1, 2], [3]]
+    engine_prompts, data = image_requests(prompts, images, image_token_id=PAD, tokens_per_image=[[4, 12], [], []])
+    assert engine_prompts == [[1, 7, PAD, 8, 2, 7, PAD, 8, 3], [1, 2], [3]]
+    assert data == [{"image": ["img0", "img1"]}, None, None]
+    assert data[0]["image"][0] is images[0][0]
+    assert image_requests(prompts, images, image_token_id=PAD)[0] == engine_prompts  # counts are optional
+
+    with pytest.raises(ValueError, match="prompt 0 has 2 image placeholders but 1 images"):
+        image_requests(prompts[:1], [["img0"]], image_token_id=PAD)
+    with pytest.raises(ValueError, match=r"runs are \[4, 12\] tokens long, its images' grids say \[4, 16\]"):
+        image_requests(prompts[:1], images[:1], image_token_id=PAD, tokens_per_image=[[4, 16]])
+    with pytest.raises(ValueError, match="at most 1 per prompt: set --limit-images"):
+        image_requests(prompts[:1], images[:1], image_token_id=PAD, max_images=1)
+    with pytest.raises(ValueError, match="images for 1 prompts, 3 prompts"):
+        image_requests(prompts, images[:1], image_token_id=PAD)
+
+
+def test_image_token_counts_are_merged_patches():
+    grid = torch.tensor([[1, 4, 4], [1, 6, 8]])
+    vision = VisionInputs(pixel_values=torch.zeros(16 + 48, 3), image_grid_thw=grid)
+    assert image_token_counts(vision, 2) == [4, 12]
+    assert image_token_counts(None, 2) == []
+
+
+def test_requests_of_image_prompts_one_per_prompt_or_per_greedy_sample():
+    engine_prompts, data = image_requests([two_image_prompt(), [5]], [["a", "b"], []], image_token_id=PAD)
+    sampling = SamplingSettings(temperature=0.7, max_new_tokens=4)
+    inputs, params = vllm_requests(engine_prompts, 3, sampling, stop_token_ids=[0], seeds=[11, 12],
+                                   multi_modal_data=data)  # fmt: skip
+    assert inputs == [
+        {"prompt_token_ids": [1, 7, PAD, 8, 2, 7, PAD, 8, 3], "multi_modal_data": {"image": ["a", "b"]}},
+        {"prompt_token_ids": [5]},  # no images: no multi_modal_data (vLLM would run its processor on nothing)
+    ]
+    assert [(p["n"], p["seed"]) for p in params] == [(3, 11), (3, 12)]
+
+    greedy = SamplingSettings(temperature=1.0, max_new_tokens=4, greedy=True)
+    inputs, _ = vllm_requests(engine_prompts, 2, greedy, stop_token_ids=[0], seeds=[1, 2, 3, 4], multi_modal_data=data)
+    assert [i.get("multi_modal_data") for i in inputs] == [{"image": ["a", "b"]}] * 2 + [None] * 2
+    with pytest.raises(ValueError, match="multi_modal_data for 1 prompts, 2 prompts"):
+        vllm_requests(engine_prompts, 1, sampling, stop_token_ids=[0], seeds=[1, 2], multi_modal_data=data[:1])
+
+
+def test_rebatched_rows_carry_our_prompt_ids_and_refuse_another_expansion():
+    ours = two_image_prompt()
+    outputs = [RequestOutput("0", list(ours), [completion(0, [4, 0], [-0.5, -0.25], "stop")])]
+    out = to_generation_output(outputs, num_samples=1, pad_token_id=0, decode=decode, prompt_ids=[ours])
+    assert out.prompt_ids[0].tolist() == ours
+    resized = [RequestOutput("0", vllm_073_expand(collapse_image_pads(ours, PAD)[0], PAD, [4, 9]), outputs[0].outputs)]
+    with pytest.raises(ValueError, match=r"request 0 \(20 tokens\) is not ours \(23 tokens\).*min_pixels/max_pixels"):
+        to_generation_output(resized, num_samples=1, pad_token_id=0, decode=decode, prompt_ids=[ours])
+    with pytest.raises(ValueError, match="2 prompts for 1 vLLM request outputs"):
+        to_generation_output(outputs, num_samples=1, pad_token_id=0, decode=decode, prompt_ids=[ours, ours])
 
 
 def test_pad_and_eos_follow_the_cpu_backend_rules():
@@ -329,10 +455,13 @@ def test_create_backend_picks_vllm_when_installed(monkeypatch):
 
     class FakeVllmBackend:
         def __init__(
-            self, model_path, *, tensor_parallel_size, seed, engine, max_sequence_tokens, trust_remote_code, dtype
-        ):
+            self, model_path, *, tensor_parallel_size, seed, engine, max_sequence_tokens, trust_remote_code, dtype,
+            **image_options,
+        ):  # fmt: skip
             created.update(model_path=model_path, tensor_parallel_size=tensor_parallel_size, seed=seed, dtype=dtype)
             created.update(engine=engine, max_sequence_tokens=max_sequence_tokens, trust_remote_code=trust_remote_code)
+            # VllmBackend's vision-language options, which create_backend may pass on (data.limit_images etc.).
+            assert set(image_options) <= {"images_per_prompt", "min_pixels", "max_pixels"}
 
     import colossal_rl.rollout.vllm_backend as vllm_backend
 
@@ -485,3 +614,154 @@ def test_producer_asks_vllm_for_the_training_precision(monkeypatch, precision, d
     with pytest.raises(Created) as created:
         producer_module.Producer(0, config, reward_scorer=None)
     assert created.value.args[0]["weights_dtype"] == dtype
+
+
+# --- the whole backend, through a fake vllm module ---------------------------------------------------------------
+
+
+class FakeSamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class FakeLLM:
+    """``vllm.LLM`` as far as the backend reaches it: records its keyword arguments and requests, and answers each
+    request like vLLM 0.7.3 would: its own expansion of the image placeholders (the checkpoint's image processor
+    with the engine's ``mm_processor_kwargs``, as vLLM runs it) as ``prompt_token_ids``, ``n`` completions."""
+
+    instances: list[FakeLLM] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.requests: list[dict] = []
+        FakeLLM.instances.append(self)
+
+    def collective_rpc(self, method, args=()):  # the backend probes for it (weight_load_route)
+        raise AssertionError("not called in these tests")
+
+    def generate(self, inputs, params, use_tqdm):
+        from transformers import AutoProcessor
+
+        self.requests, self.params = inputs, params
+        outputs = []
+        for number, (request, param) in enumerate(zip(inputs, params, strict=True)):
+            prompt = request["prompt_token_ids"]
+            images = (request.get("multi_modal_data") or {}).get("image", [])
+            if images:
+                processor = AutoProcessor.from_pretrained(self.kwargs["model"])
+                pixels = self.kwargs.get("mm_processor_kwargs") or {}
+                grids = processor.image_processor(images=images, **pixels)["image_grid_thw"]
+                image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+                prompt = vllm_073_expand(prompt, image_token, (grids.prod(-1) // 4).tolist())
+            completions = [completion(k, [40 + k, 0], [-0.5, -0.25], "stop") for k in range(param.n)]
+            outputs.append(RequestOutput(str(number), prompt, completions))
+        return outputs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = types.ModuleType("vllm")
+    module.__version__ = "0.7.3"
+    module.LLM = FakeLLM
+    module.SamplingParams = FakeSamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setenv("VLLM_USE_V1", "0")  # the backend sets both: restore them after the test
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    FakeLLM.instances.clear()
+    return module
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_random_vlm(tmp_path_factory.mktemp("vlm") / "model")
+
+
+@pytest.fixture(scope="module")
+def image_rows(tmp_path_factory) -> Path:
+    """Three rows: two images (4 and 12 image tokens), one image, none."""
+    directory = tmp_path_factory.mktemp("rows")
+    draw_shapes(directory / "a.png", 2)
+    draw_shapes(directory / "b.png", 3, size=(112, 84), seed=1)
+    rows = [
+        {"messages": {"role": "user", "content": "<image>and<image>: how many?"}, "gt_answer": "5",
+         "images": ["a.png", "b.png"]},
+        {"messages": {"role": "user", "content": "<image>How many?"}, "gt_answer": "3", "images": ["b.png"]},
+        {"messages": {"role": "user", "content": "No picture."}, "gt_answer": "0"},
+    ]  # fmt: skip
+    path = directory / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_vllm_backend_of_a_vision_language_model_end_to_end(fake_vllm, vlm_dir, image_rows):
+    from colossal_rl.rollout.vllm_backend import VllmBackend
+
+    backend = VllmBackend(str(vlm_dir), images_per_prompt=2, max_pixels=12544)
+    assert backend.processor is not None and backend.tokenizer is backend.processor.tokenizer
+    (llm,) = FakeLLM.instances
+    assert llm.kwargs["limit_mm_per_prompt"] == {"image": 2}
+    assert llm.kwargs["mm_processor_kwargs"] == {"max_pixels": 12544}
+    assert llm.kwargs["enable_chunked_prefill"] is False
+    assert backend.architecture == "Qwen2_5_VLForConditionalGeneration"
+
+    # The producer's path: prompts encoded by the backend's processor, their VisionInputs and raw images.
+    prompting = ImagePrompting(processor=backend.processor, max_pixels=12544)
+    dataset = load_prompt_dataset(image_rows, backend.tokenizer, None, 512, None, prompting)
+    indices = [0, 1, 2]
+    vision = [dataset.vision_inputs(i) for i in indices]
+    images = [dataset.raw_images(i) for i in indices]
+    assert [len(i) for i in images] == [2, 1, 0] and images[0][1].size == (112, 84) and images[0][1].mode == "RGB"
+    pad = backend.image_tokens.image_token_id
+    assert [dataset.prompt_ids[i].count(pad) for i in indices] == [4 + 12, 12, 0]
+
+    sampling = SamplingSettings(temperature=1.0, max_new_tokens=4)
+    out = backend.generate([dataset.prompt_ids[i] for i in indices], 2, sampling, vision, images)
+    assert [r["prompt_token_ids"].count(pad) for r in llm.requests] == [2, 1, 0]  # one pad per image
+    assert [len(r.get("multi_modal_data", {}).get("image", [])) for r in llm.requests] == [2, 1, 0]
+    assert llm.requests[0]["multi_modal_data"]["image"][0] is images[0][0]
+    assert [p.n for p in llm.params] == [2, 2, 2]  # one request per prompt, as for text
+    for row in range(6):  # our expanded ids, left-padded, group-major
+        real = out.prompt_ids[row][out.prompt_mask[row].bool()].tolist()
+        assert real == dataset.prompt_ids[indices[row // 2]]
+    assert out.response_ids.shape == (6, 2)
+
+    greedy = SamplingSettings(temperature=1.0, max_new_tokens=4, greedy=True)
+    out = backend.generate([dataset.prompt_ids[0]], 3, greedy, vision[:1], images[:1])
+    assert len(llm.requests) == 3 and all(r["multi_modal_data"]["image"] == images[0] for r in llm.requests)
+    assert out.prompt_ids.tolist() == [dataset.prompt_ids[0]] * 3
+
+    with pytest.raises(ValueError, match="pass images="):
+        backend.generate([dataset.prompt_ids[0]], 1, sampling, vision[:1])
+    with pytest.raises(ValueError, match="prompt 0 has 2 image placeholders but 1 images"):
+        backend.generate([dataset.prompt_ids[0]], 1, sampling, None, [images[1]])
+
+
+def test_vllm_backend_refuses_rows_whose_images_vllm_resizes_otherwise(fake_vllm, vlm_dir, image_rows):
+    from colossal_rl.rollout.vllm_backend import VllmBackend
+
+    backend = VllmBackend(str(vlm_dir), images_per_prompt=2, max_pixels=3136)  # not what the prompts were made with
+    dataset = load_prompt_dataset(image_rows, backend.tokenizer, None, 512, None, ImagePrompting(backend.processor))
+    sampling = SamplingSettings(temperature=1.0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="is not ours.*min_pixels/max_pixels"):
+        backend.generate([dataset.prompt_ids[1]], 1, sampling, [dataset.vision_inputs(1)], [dataset.raw_images(1)])
+
+
+def test_vllm_backend_of_a_text_model_is_unchanged(fake_vllm):
+    from colossal_rl.rollout.vllm_backend import VllmBackend
+
+    backend = VllmBackend(str(EMBEDDED_MODEL_DIR))
+    assert backend.processor is None
+    (llm,) = FakeLLM.instances
+    assert "limit_mm_per_prompt" not in llm.kwargs and llm.kwargs["enable_chunked_prefill"] is True
+    prompt = backend.tokenizer.encode("12+3=")
+    out = backend.generate([prompt], 2, SamplingSettings(temperature=1.0, max_new_tokens=4))
+    assert llm.requests == [{"prompt_token_ids": prompt}]
+    assert out.prompt_ids.tolist() == [prompt, prompt]
+    with pytest.raises(ValueError, match="need a vision-language model"):
+        backend.generate([prompt], 1, SamplingSettings(temperature=1.0, max_new_tokens=4), None, [["image"]])
+
+
+def test_raw_images_of_a_text_dataset_are_empty():
+    from colossal_rl.data import PromptDataset
+
+    assert PromptDataset(path="x.jsonl", rows=[{}], prompt_ids=[[1]]).raw_images(0) == []

@@ -3,7 +3,9 @@
 
 ``vllm_073_parameter_names`` writes down, from vLLM 0.7.3's vllm/model_executor/models/qwen2.py and llama.py,
 which parameters those models hold: fused ``qkv_proj`` (bias in Qwen2 only) and ``gate_up_proj``, no
-``lm_head`` parameter of its own when embeddings are tied."""
+``lm_head`` parameter of its own when embeddings are tied. ``vllm_073_qwen2_5_vl_parameter_names`` does the same
+for Qwen2.5-VL (qwen2_5_vl.py): the vision tower under ``visual.`` with Hugging Face's names (its MLP unfused), the
+Qwen2 language model under ``language_model.``."""
 
 from __future__ import annotations
 
@@ -11,12 +13,22 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
+)
 
 from colossal_rl.rollout.vllm_weights import (
+    SUPPORTED_ARCHITECTURES,
     from_vllm_weights,
+    hf_name_of_vllm,
     installed_vllm_version,
+    known_architecture,
     load_weights_on_worker,
+    omissible_prefixes,
     parse_version,
     strip_wrapper_prefix,
     to_vllm_weights,
@@ -24,7 +36,9 @@ from colossal_rl.rollout.vllm_weights import (
     vllm_parameter_name,
     weight_load_route,
 )
+from colossal_rl.vision.models import without_vision_tower
 
+VL = "Qwen2_5_VLForConditionalGeneration"
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: embedding rows are padded to a multiple of this
 
 
@@ -60,11 +74,44 @@ def vllm_073_parameter_names(config, qkv_bias: bool) -> set[str]:
     return names
 
 
-def fuse_like_vllm(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+def tiny_vl_config(tied: bool) -> Qwen2_5_VLConfig:
+    return Qwen2_5_VLConfig(
+        vocab_size=102, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                       "fullatt_block_indexes": [1]},
+        architectures=[VL],
+    )  # fmt: skip
+
+
+def hf_vl_state_dict(config) -> dict[str, torch.Tensor]:
+    """transformers 4.51's Qwen2.5-VL state dict: ``visual.*``, ``model.*``, ``lm_head.weight``."""
+    torch.manual_seed(0)
+    return dict(Qwen2_5_VLForConditionalGeneration(config).state_dict())
+
+
+def vllm_073_qwen2_5_vl_parameter_names(config) -> set[str]:
+    """vLLM 0.7.3's Qwen2_5_VLForConditionalGeneration parameters: ``visual`` (Qwen2_5_VisionTransformer, :476-531:
+    patch embedding, blocks with RMS norms, ``attn.qkv``/``attn.proj`` and an unfused MLP with biases, the merger)
+    and ``language_model`` (a Qwen2ForCausalLM, :781-785)."""
+    names = {"visual.patch_embed.proj.weight", "visual.merger.ln_q.weight"}
+    names |= {f"visual.merger.mlp.{i}.{kind}" for i in (0, 2) for kind in ("weight", "bias")}
+    for block in range(config.vision_config.depth):
+        prefix = f"visual.blocks.{block}"
+        names |= {f"{prefix}.norm1.weight", f"{prefix}.norm2.weight"}
+        for module in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            names |= {f"{prefix}.{module}.weight", f"{prefix}.{module}.bias"}
+    names |= {f"language_model.{name}" for name in vllm_073_parameter_names(config, qkv_bias=True)}
+    return names
+
+
+def fuse_like_vllm(state: dict[str, torch.Tensor], config, architecture: str | None = None) -> dict[str, torch.Tensor]:
     """What one unsharded vLLM worker holds after loading ``state`` (what its weight loaders build)."""
     fused: dict[str, torch.Tensor] = {}
     for name, tensor in to_vllm_weights(state, tie_word_embeddings=config.tie_word_embeddings):
-        target = vllm_parameter_name(name)
+        target = vllm_parameter_name(name, architecture)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             rows = -(-tensor.shape[0] // VOCAB_PADDING) * VOCAB_PADDING
             tensor = torch.cat([tensor, torch.zeros(rows - tensor.shape[0], tensor.shape[1])])
@@ -136,9 +183,10 @@ def test_reading_vllm_weights_back_gives_the_trainer_state_dict(kind, tied):
 class FakeVllmModel:
     """Stands for a vLLM model: its parameter names and a ``load_weights`` returning what it loaded."""
 
-    def __init__(self, parameter_names: set[str], loads_all: bool = True):
+    def __init__(self, parameter_names: set[str], loads_all: bool = True, architecture: str | None = None):
         self.parameter_names = parameter_names
         self.loads_all = loads_all
+        self.architecture = architecture
         self.received: list[str] = []
 
     def named_parameters(self):
@@ -146,7 +194,7 @@ class FakeVllmModel:
 
     def load_weights(self, weights):
         self.received = [name for name, _ in weights]
-        loaded = {vllm_parameter_name(name) for name in self.received}
+        loaded = {vllm_parameter_name(name, self.architecture) for name in self.received}
         return loaded if self.loads_all else set(sorted(loaded)[1:])
 
 
@@ -171,6 +219,93 @@ def test_worker_loader_names_unknown_and_unreached_parameters():
         load_weights_on_worker(FakeWorker(FakeVllmModel(parameters)), weights + [("lm_head.weight", torch.zeros(1))])
     missing = load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, loads_all=False)), weights)
     assert missing == [sorted(parameters)[0]]
+
+
+# --- Qwen2.5-VL ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vision_language_weights_land_in_vllm_qwen2_5_vl_parameters(tied):
+    config = tiny_vl_config(tied)
+    state = hf_vl_state_dict(config)
+    weights = to_vllm_weights(state, tie_word_embeddings=tied)
+    assert [name for name, _ in weights] == [name for name in state if not (tied and name == "lm_head.weight")]
+    targets = {name: vllm_parameter_name(name, VL) for name, _ in weights}
+    assert set(targets.values()) == vllm_073_qwen2_5_vl_parameter_names(config)
+    # The prefix mapper, the language model's fusion, and the tower's names kept (its MLP is not fused).
+    assert targets["model.layers.1.self_attn.k_proj.bias"] == "language_model.model.layers.1.self_attn.qkv_proj.bias"
+    assert targets["model.layers.0.mlp.up_proj.weight"] == "language_model.model.layers.0.mlp.gate_up_proj.weight"
+    assert targets["visual.blocks.0.mlp.gate_proj.weight"] == "visual.blocks.0.mlp.gate_proj.weight"
+    assert targets["visual.blocks.1.attn.qkv.bias"] == "visual.blocks.1.attn.qkv.bias"
+    if not tied:
+        assert targets["lm_head.weight"] == "language_model.lm_head.weight"
+
+
+def test_architecture_names_and_the_way_back():
+    assert VL in SUPPORTED_ARCHITECTURES
+    assert (
+        known_architecture(["Foo", VL]) == VL
+        and known_architecture(["Foo"]) is None
+        and known_architecture(None) is None
+    )
+    assert vllm_parameter_name("model.norm.weight", None) == "model.norm.weight"  # a text model: no prefix
+    assert hf_name_of_vllm("language_model.lm_head.weight", VL) == "lm_head.weight"
+    assert hf_name_of_vllm("language_model.model.norm.weight", VL) == "model.norm.weight"
+    assert hf_name_of_vllm("visual.merger.mlp.0.bias", VL) == "visual.merger.mlp.0.bias"
+    assert hf_name_of_vllm("model.norm.weight", "Qwen2ForCausalLM") == "model.norm.weight"
+    assert omissible_prefixes(VL) == ("visual.",) and omissible_prefixes("Qwen2ForCausalLM") == ()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_reading_vision_language_weights_back_gives_the_trainer_state_dict(tied):
+    config = tiny_vl_config(tied)
+    state = hf_vl_state_dict(config)
+    held = fuse_like_vllm(state, config, VL)
+    assert set(held) == vllm_073_qwen2_5_vl_parameter_names(config)
+    back = from_vllm_weights(held, config)
+    assert set(back) == set(state)
+    for name, tensor in state.items():
+        torch.testing.assert_close(back[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_sync_without_the_frozen_vision_tower_loads_and_reaches_everything_else():
+    config = tiny_vl_config(tied=True)
+    state = hf_vl_state_dict(config)
+    parameters = vllm_073_qwen2_5_vl_parameter_names(config)
+    full = to_vllm_weights(state, tie_word_embeddings=True)
+    assert load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, architecture=VL)), full, VL, ("visual.",)) == []
+
+    without_tower = to_vllm_weights(without_vision_tower(state), tie_word_embeddings=True)
+    assert not any(name.startswith("visual.") for name, _ in without_tower)
+    model = FakeVllmModel(parameters, architecture=VL)
+    assert load_weights_on_worker(FakeWorker(model), without_tower, VL, omissible_prefixes(VL)) == []
+    assert model.received == [name for name, _ in without_tower]
+    # Not omissible: the tower counts as not reached; a tower sent in part is reported whatever the setting.
+    missing = load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, architecture=VL)), without_tower, VL)
+    assert missing == sorted(name for name in parameters if name.startswith("visual."))
+    partial = without_tower + [(n, t) for n, t in full if n == "visual.merger.ln_q.weight"]
+    missing = load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, architecture=VL)), partial, VL, ("visual.",))
+    assert "visual.patch_embed.proj.weight" in missing and "visual.merger.ln_q.weight" not in missing
+    with pytest.raises(KeyError, match="visual.blocks.9.norm1.weight"):
+        load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, architecture=VL)),
+                               [("visual.blocks.9.norm1.weight", torch.zeros(1))], VL, ("visual.",))  # fmt: skip
+
+
+def test_a_lora_sync_of_merged_layers_only_is_partial_on_purpose_but_unknown_names_still_fail():
+    """With LoRA the producer sends only the layers the adapters changed (merged): nothing else is expected."""
+    config = tiny_vl_config(tied=True)
+    state = hf_vl_state_dict(config)
+    parameters = vllm_073_qwen2_5_vl_parameter_names(config)
+    merged = {name: t for name, t in state.items() if name.endswith(("q_proj.weight", "v_proj.weight"))}
+    weights = to_vllm_weights(merged, tie_word_embeddings=True)
+    strict = load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, architecture=VL)), weights, VL)
+    assert "language_model.model.norm.weight" in strict  # without the partial marker the rest counts as not reached
+    model = FakeVllmModel(parameters, architecture=VL)
+    assert load_weights_on_worker(FakeWorker(model), weights, VL, ("",)) == []
+    assert model.received == [name for name, _ in weights]
+    with pytest.raises(KeyError, match="no_such.weight"):
+        load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, architecture=VL)),
+                               [("no_such.weight", torch.zeros(1))], VL, ("",))  # fmt: skip
 
 
 # --- versions and routes ---------------------------------------------------------------------------------------
