@@ -203,6 +203,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="tensor = torch.tensor(values, dtype=torch.float64)",
         tests=("tests/unit/test_trainer_device.py::test_round_on_a_second_device_equals_the_host_run",),
     ),
+    Mutation(
+        name="text_after_an_image_counts_its_tokens",
+        why="multimodal positions resume after an image at its token count, not one past its largest position",
+        path="colossal_rl/vision/rope.py",
+        old="        next_position = int(grid.max()) + next_position + 1\n",
+        new="        next_position += t * merged_h * merged_w\n",
+        tests=("tests/unit/test_vision.py::test_positions_equal_the_models_get_rope_index",),
+    ),
+    Mutation(
+        name="generated_image_token_gets_image_features",
+        why="the trainer scatters image features into every image token, a generated one too",
+        path="colossal_rl/training/micro_batch_forward.py",
+        old="    slots = (input_ids == image_token_id) & prompt_token_mask.to(input_ids.device)\n",
+        new="    slots = input_ids == image_token_id\n",
+        tests=("tests/unit/test_vision.py::test_a_response_with_an_image_token_is_embedded_as_a_token",),
+    ),
+    Mutation(
+        name="frozen_vision_tower_still_synced",
+        why="--freeze-vision-tower freezes the tower but the weight sync still carries it",
+        path="colossal_rl/training/trainer.py",
+        old="            state = without_vision_tower(state)  # it never changes: producers keep the tower they loaded\n",
+        new="            pass\n",
+        tests=("tests/unit/test_vision.py::test_a_frozen_tower_gets_no_gradient_and_is_not_synced[True]",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
