@@ -84,9 +84,7 @@ class DecodedResponses:
     logprobs: torch.Tensor  # [N, R] behaviour log-probabilities, 0 after a row finished
 
 
-def _next_logits(
-    model, input_ids, attention_mask, position_ids, cache, keeps_last_only: bool, **extra
-) -> torch.Tensor:
+def _next_logits(model, input_ids, attention_mask, position_ids, cache, keeps_last_only: bool, **extra) -> torch.Tensor:
     if keeps_last_only:
         extra["logits_to_keep"] = 1
     output = model(

@@ -209,7 +209,9 @@ def _padded_multimodal_positions(
         own = prompt_positions[sample]
         positions[:, sample, prompt_width - prompt_length : prompt_width] = own
         next_position = int(own.max()) + 1 if own.numel() else 0
-        positions[:, sample, prompt_width : prompt_width + response_length] = torch.arange(response_length) + next_position
+        positions[:, sample, prompt_width : prompt_width + response_length] = (
+            torch.arange(response_length) + next_position
+        )
     return positions.to(prompt_mask.device)
 
 
@@ -272,9 +274,9 @@ def block_layout(
         response_length=response_ids.shape[1],
         prediction_index=(as_tensor(tokens.predict_row), as_tensor(tokens.predict_column)),
         token_index=(as_tensor(tokens.token_sample), as_tensor(tokens.token_position)),
-        prompt_token_mask=(
-            (as_tensor(tokens.segment) == 0) & (as_tensor(tokens.block) >= 0)
-        ).view(len(rows), tokens.width),
+        prompt_token_mask=((as_tensor(tokens.segment) == 0) & (as_tensor(tokens.block) >= 0)).view(
+            len(rows), tokens.width
+        ),
         prompt_owners=tuple(block.samples[0] for row in rows for block in row),
     )
 

@@ -83,9 +83,7 @@ def export_hf(
         type(model).register_for_auto_class("AutoModelForCausalLM")  # save_pretrained then copies its code
     model.save_pretrained(out_dir, safe_serialization=True)
     if is_vision_language_config(config):  # the processor: tokenizer, image processor and chat template
-        AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(
-            out_dir
-        )
+        AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     else:
         AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     logger.info("exported a Hugging Face model to %s", out_dir)

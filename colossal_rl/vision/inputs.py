@@ -24,7 +24,9 @@ class VisionInputs:
             raise ValueError(f"image_grid_thw must be [images, 3], got {tuple(self.image_grid_thw.shape)}")
         patches = int(self.image_grid_thw.prod(dim=1).sum())
         if patches != self.pixel_values.shape[0]:
-            raise ValueError(f"image_grid_thw describes {patches} patches, pixel_values has {self.pixel_values.shape[0]}")
+            raise ValueError(
+                f"image_grid_thw describes {patches} patches, pixel_values has {self.pixel_values.shape[0]}"
+            )
 
     @property
     def num_images(self) -> int:

@@ -42,12 +42,16 @@ def open_image(value: Any, base_dir: Path, where: str):
         elif isinstance(value, str):
             image = Image.open(_resolve(value, base_dir))
         else:
-            raise ImageDataError(f"{where}: an image must be a path, a PIL image or a {{bytes, path}} dict, got {type(value).__name__}")
+            raise ImageDataError(
+                f"{where}: an image must be a path, a PIL image or a {{bytes, path}} dict, got {type(value).__name__}"
+            )
         return image.convert("RGB")
     except (OSError, ValueError) as error:
         if isinstance(error, ImageDataError):
             raise
-        raise ImageDataError(f"{where}: cannot read image {value if isinstance(value, str) else type(value).__name__}: {error}") from error
+        raise ImageDataError(
+            f"{where}: cannot read image {value if isinstance(value, str) else type(value).__name__}: {error}"
+        ) from error
 
 
 def _resolve(path: str, base_dir: Path) -> Path:

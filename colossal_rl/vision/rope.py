@@ -34,14 +34,20 @@ class RopeTokens:
         )
 
 
-def sequence_positions(token_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, tokens: RopeTokens) -> torch.Tensor:
+def sequence_positions(
+    token_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, tokens: RopeTokens
+) -> torch.Tensor:
     """[3, L] long positions of one sequence's real tokens ``token_ids`` [L], numbered from 0;
     ``image_grid_thw`` [images, 3] lists its images in order (None or empty: a text-only sequence)."""
     length = token_ids.shape[0]
     ids = token_ids.tolist()
     pieces: list[torch.Tensor] = []
     next_position, cursor = 0, 0
-    starts = [i + 1 for i, t in enumerate(ids[:-1]) if t == tokens.vision_start_token_id and ids[i + 1] == tokens.image_token_id]
+    starts = [
+        i + 1
+        for i, t in enumerate(ids[:-1])
+        if t == tokens.vision_start_token_id and ids[i + 1] == tokens.image_token_id
+    ]
     grids = [] if image_grid_thw is None else image_grid_thw.tolist()
     if len(starts) != len(grids):
         raise ValueError(f"the sequence has {len(starts)} images but image_grid_thw lists {len(grids)}")

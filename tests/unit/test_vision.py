@@ -119,7 +119,11 @@ def test_positions_equal_the_models_get_rope_index(backend, tmp_path):
     theirs, _ = model.get_rope_index(two_images[None], grids)
     assert torch.equal(sequence_positions(two_images, grids, tokens), theirs[:, 0])
     # left-padded rows of unequal length, one without images
-    ids = [dataset.prompt_ids[0], dataset.prompt_ids[1][5:], backend.tokenizer("plain text", add_special_tokens=False)["input_ids"]]
+    ids = [
+        dataset.prompt_ids[0],
+        dataset.prompt_ids[1][5:],
+        backend.tokenizer("plain text", add_special_tokens=False)["input_ids"],
+    ]
     width = max(map(len, ids))
     input_ids = torch.zeros(3, width, dtype=torch.long)
     mask = torch.zeros(3, width, dtype=torch.long)
@@ -216,7 +220,9 @@ def test_a_response_with_an_image_token_is_embedded_as_a_token(vlm_dir, backend,
     vision = forced.vision[0]
     with torch.no_grad():
         out = backend.model(
-            input_ids=prompt[None], pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
+            input_ids=prompt[None],
+            pixel_values=vision.pixel_values,
+            image_grid_thw=vision.image_grid_thw,
             use_cache=True,
         )
         first = torch.log_softmax(out.logits[0, -1] / TEMPERATURE, -1)[image_token]

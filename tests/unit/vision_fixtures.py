@@ -4,58 +4,27 @@ synthetic image rows: what the vision tests run on without the shipped, pre-trai
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-SPECIALS = ["<|endoftext|>", "<|unk|>", "<|system|>", "<|user|>", "<|assistant|>"]
-VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ '<|endoftext|>' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # build_tiny_vlm.py
+
 IMAGE_SIDE = 56
 """56 x 56 pixels: a 4 x 4 grid of 14-pixel patches, 4 image tokens after the 2 x 2 merge."""
 
 
 def build_random_vlm(directory: Path, *, seed: int = 0) -> Path:
-    from transformers import (
-        GenerationConfig,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2TokenizerFast,
-        Qwen2VLImageProcessor,
-    )
+    """The shipped VLM's tokenizer and processor (``scripts/build_tiny_vlm.py``, images resized to 56 x 56), with a
+    smaller random-weight model (52 K parameters: the tests generate and train with it)."""
+    from build_tiny_vlm import VISION_TOKENS, TaskSpec, build_processor, build_tokenizer
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    specials = SPECIALS + VISION_SPECIALS
-    characters = [chr(code) for code in range(32, 127)] + ["\n"]
-    vocab = {token: index for index, token in enumerate(specials + characters)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(specials)
-    tokenizer = Qwen2TokenizerFast(  # the processor accepts only Qwen2's tokenizer classes
-        tokenizer_object=backend,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|unk|>",
-        additional_special_tokens=specials[2:],
-        clean_up_tokenization_spaces=False,
-        padding_side="left",
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=IMAGE_SIDE * IMAGE_SIDE, max_pixels=4 * IMAGE_SIDE * IMAGE_SIDE, patch_size=14, merge_size=2
-    )
-    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_SPECIALS}
+    tokenizer = build_tokenizer()
+    processor = build_processor(tokenizer, TaskSpec(image_side=IMAGE_SIDE))
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS.values()}
     config = Qwen2_5_VLConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
