@@ -318,18 +318,24 @@ def evaluate(model, tokenizer, rows: list[dict], num_samples: int = 8, batch_siz
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def start_build(doc: str, train_spec: type, task_spec: type, seed: int) -> argparse.Namespace:
+    """A build script's flags (defaults from its ``TrainSpec``/``TaskSpec``), logging, and the reproducibility
+    settings every build runs under: one thread, deterministic algorithms, ``seed``. Shared with build_tiny_vlm."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--output-root", type=Path, default=ASSETS_DIR)
-    parser.add_argument("--clean-steps", type=int, default=TrainSpec.clean_steps)
-    parser.add_argument("--noisy-steps", type=int, default=TrainSpec.noisy_steps)
-    parser.add_argument("--label-correct-probability", type=float, default=TaskSpec.label_correct_probability)
+    parser.add_argument("--clean-steps", type=int, default=train_spec.clean_steps)
+    parser.add_argument("--noisy-steps", type=int, default=train_spec.noisy_steps)
+    parser.add_argument("--label-correct-probability", type=float, default=task_spec.label_correct_probability)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-
     torch.set_num_threads(1)  # fixed thread count: reproducible reductions, and modest CPU use
     torch.use_deterministic_algorithms(True)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
+    return args
+
+
+def main() -> None:
+    args = start_build(__doc__, TrainSpec, TaskSpec, SEED)
     start = time.perf_counter()
     task = TaskSpec(label_correct_probability=args.label_correct_probability)
     train = TrainSpec(clean_steps=args.clean_steps, noisy_steps=args.noisy_steps)

@@ -34,7 +34,6 @@ Usage: ``python scripts/build_tiny_vlm.py [--output-root DIR] [--clean-steps N] 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import random
 import statistics
@@ -56,9 +55,16 @@ from transformers import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_tiny_model import EOS_TOKEN, ROLE_TOKENS, UNK_TOKEN, _lr_factor, boxed_answer, write_jsonl  # noqa: E402
+from build_tiny_model import (  # noqa: E402
+    EOS_TOKEN,
+    ROLE_TOKENS,
+    UNK_TOKEN,
+    _lr_factor,
+    boxed_answer,
+    start_build,
+    write_jsonl,
+)
 
-from colossal_rl.config import ASSETS_DIR  # noqa: E402
 from colossal_rl.data import build_messages  # noqa: E402
 from colossal_rl.prompts import DEFAULT_SYSTEM_PROMPTS  # noqa: E402
 from colossal_rl.vision.inputs import VisionInputs, model_vision_kwargs  # noqa: E402
@@ -388,17 +394,7 @@ def evaluate(model, tokenizer, examples: list[Encoded], num_samples: int = 8, ba
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output-root", type=Path, default=ASSETS_DIR)
-    parser.add_argument("--clean-steps", type=int, default=TrainSpec.clean_steps)
-    parser.add_argument("--noisy-steps", type=int, default=TrainSpec.noisy_steps)
-    parser.add_argument("--label-correct-probability", type=float, default=TaskSpec.label_correct_probability)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-
-    torch.set_num_threads(1)  # fixed thread count: reproducible reductions, and modest CPU use
-    torch.use_deterministic_algorithms(True)
-    torch.manual_seed(SEED)
+    args = start_build(__doc__, TrainSpec, TaskSpec, SEED)
     start = time.perf_counter()
     task = TaskSpec(label_correct_probability=args.label_correct_probability)
     train = TrainSpec(clean_steps=args.clean_steps, noisy_steps=args.noisy_steps)
