@@ -739,7 +739,8 @@ def test_vllm_backend_of_a_vision_language_model_end_to_end(fake_vllm, vlm_dir, 
 def test_vllm_backend_refuses_rows_whose_images_vllm_resizes_otherwise(fake_vllm, vlm_dir, image_rows):
     from colossal_rl.rollout.vllm_backend import VllmBackend
 
-    backend = VllmBackend(str(vlm_dir), images_per_prompt=2, max_pixels=3136)  # not what the prompts were made with
+    # not what the prompts were made with (the fixture's processor resizes every image to 56 x 56)
+    backend = VllmBackend(str(vlm_dir), images_per_prompt=2, min_pixels=112 * 112, max_pixels=112 * 112)
     dataset = load_prompt_dataset(image_rows, backend.tokenizer, None, 512, None, ImagePrompting(backend.processor))
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=4)
     with pytest.raises(ValueError, match="is not ours.*min_pixels/max_pixels"):
