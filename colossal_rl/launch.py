@@ -306,7 +306,14 @@ class Driver:
                 "producer %d died and was restarted (%d of --max-actor-restarts %d); it regenerates its lost rounds",
                 rank, self.producer_restarts[rank], self.config.run.max_actor_restarts,
             )  # fmt: skip
-        gather(self.producers.restore_weights(ranks, self.progress.policy_version, self.retained_weights), self.timeout)
+        try:
+            calls = self.producers.restore_weights(ranks, self.progress.policy_version, self.retained_weights)
+            gather(calls, self.timeout)
+        except RunFailed as error:  # killed again while being given its weights back
+            limit = self.config.run.max_actor_restarts
+            if all(self.producer_restarts[rank] >= limit for rank in ranks):
+                raise RunFailed(f"{error}; not restarted again (--max-actor-restarts {limit} used up)", error.outcomes) from None
+            raise
         # Every call the dead process had not finished is made again now, before any later sync: the rounds it
         # was asked for need exactly these weights (each was submitted after the last completed sync).
         names = {f"producer {rank}" for rank in ranks}
