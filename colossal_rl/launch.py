@@ -312,7 +312,9 @@ class Driver:
         except RunFailed as error:  # killed again while being given its weights back
             limit = self.config.run.max_actor_restarts
             if all(self.producer_restarts[rank] >= limit for rank in ranks):
-                raise RunFailed(f"{error}; not restarted again (--max-actor-restarts {limit} used up)", error.outcomes) from None
+                raise RunFailed(
+                    f"{error}; not restarted again (--max-actor-restarts {limit} used up)", error.outcomes
+                ) from None
             raise
         # Every call the dead process had not finished is made again now, before any later sync: the rounds it
         # was asked for need exactly these weights (each was submitted after the last completed sync).

@@ -93,9 +93,7 @@ def test_adapter_dir_reloads_with_peft(trained, tmp_path):
         AutoModelForCausalLM.from_pretrained(RLConfig().model.path), tmp_path / ADAPTER_DIR
     )
     assert_close(_logits(reloaded.eval()), _logits(trained.model.unwrap().eval()), atol=1e-5, rtol=1e-5)
-    assert_close(
-        _logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval()), _logits(reloaded), **MERGE_TOLERANCE
-    )
+    assert_close(_logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval()), _logits(reloaded), **MERGE_TOLERANCE)
 
 
 def test_merge_math_hand_computed():

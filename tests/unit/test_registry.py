@@ -27,7 +27,9 @@ def test_duplicate_name_is_refused():
 
 
 def test_unknown_name_lists_known_names():
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'; known: dpo_pairs, dr_grpo, grpo, reinforce, "):
+    with pytest.raises(
+        ValueError, match=r"unknown advantage estimator 'ppo'; known: dpo_pairs, dr_grpo, grpo, reinforce, "
+    ):
         ADVANTAGE_ESTIMATORS.get("ppo")
 
 
