@@ -18,6 +18,10 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL_DIR = ASSETS_DIR / "tiny_qwen2"
 EMBEDDED_TRAIN_DATA = ASSETS_DIR / "data" / "train.jsonl"
 EMBEDDED_EVAL_DATA = ASSETS_DIR / "data" / "eval.jsonl"
+EMBEDDED_VLM_DIR = ASSETS_DIR / "tiny_qwen2_5_vl"
+"""A pre-trained 0.86 M-parameter Qwen2.5-VL (``scripts/build_tiny_vlm.py``) for the shapes-counting task."""
+EMBEDDED_SHAPES_TRAIN_DATA = ASSETS_DIR / "shapes" / "train.jsonl"
+EMBEDDED_SHAPES_EVAL_DATA = ASSETS_DIR / "shapes" / "eval.jsonl"
 
 Precision = Literal["fp32", "bf16", "fp16"]
 LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]

@@ -90,24 +90,30 @@ class TrainSpec:
         return self.clean_steps + self.noisy_steps
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level fast tokenizer: one token per printable ASCII character, newline and tab."""
-    specials = [EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS.values()]
+def build_tokenizer(
+    extra_specials: tuple[str, ...] = (),
+    tokenizer_class: type[PreTrainedTokenizerFast] = PreTrainedTokenizerFast,
+    model_max_length: int = 256,
+) -> PreTrainedTokenizerFast:
+    """Character-level fast tokenizer: one token per printable ASCII character, newline and tab. The tiny VLM
+    adds its vision tokens (``extra_specials``) and asks for a ``Qwen2TokenizerFast`` (the processor loads its
+    tokenizer through Qwen2's classes)."""
+    specials = [EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS.values(), *extra_specials]
     characters = [chr(code) for code in range(32, 127)] + ["\n", "\t"]
     vocab = {token: index for index, token in enumerate(specials + characters)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     backend.decoder = decoders.Fuse()  # join tokens back without separators
     backend.add_special_tokens(specials)
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = tokenizer_class(
         tokenizer_object=backend,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         unk_token=UNK_TOKEN,
         bos_token=None,
-        additional_special_tokens=list(ROLE_TOKENS.values()),
+        additional_special_tokens=specials[2:],
         clean_up_tokenization_spaces=False,
-        model_max_length=256,
+        model_max_length=model_max_length,
         padding_side="left",
     )
     tokenizer.chat_template = CHAT_TEMPLATE
