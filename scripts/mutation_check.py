@@ -227,6 +227,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="            pass\n",
         tests=("tests/unit/test_vision.py::test_a_frozen_tower_gets_no_gradient_and_is_not_synced[True]",),
     ),
+    Mutation(
+        name="pixels_left_on_the_host",
+        why="the trainer's pixel values stay on the host while the model is on the accelerator (fails on a GPU)",
+        path="colossal_rl/vision/inputs.py",
+        old='        "pixel_values": torch.cat([v.pixel_values for v in present]).to(device, dtype),\n',
+        new='        "pixel_values": torch.cat([v.pixel_values for v in present]).to(dtype=dtype),\n',
+        tests=("tests/unit/test_vision.py::test_a_vision_step_on_a_second_device_equals_the_host_run[packed]",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -11,6 +11,7 @@ only). On a CPU-only machine every tensor is on the CPU, so the same mistake pas
 - an operator that mixes accelerator tensors with host tensors of one element or more raises, as CUDA does
   (host 0-dim scalars may mix, and ``copy_`` copies across, as with CUDA);
 - a collective (``c10d`` operator) given a host tensor raises, as NCCL does;
+- indexing an accelerator tensor with host index tensors works (CUDA moves the indices), the reverse raises;
 - moving an accelerator tensor to ``cpu`` gives back a host tensor (``.cpu()``, ``.item()``, ``.tolist()``).
 
 This is a fake of the *device*, which sits around the code under test; the code under test runs unchanged.
@@ -68,6 +69,15 @@ class OnAccelerator(torch.Tensor):
 
 _TRANSFERS = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
 """Operators that legitimately take one device's tensor into another's (as on CUDA)."""
+_INDEXING = {
+    torch.ops.aten.index.Tensor: (0,),
+    torch.ops.aten.index_put.default: (0, 2),
+    torch.ops.aten.index_put_.default: (0, 2),
+    torch.ops.aten._index_put_impl_.default: (0, 2),
+}
+"""Indexing operators and their non-index arguments. CUDA indexes a device tensor with host index tensors (ATen
+moves the indices to the indexed tensor's device), forward and backward; Hugging Face's Qwen2.5-VL vision tower
+does (``rot_pos_emb``). Indexing a host tensor with device indices fails, on CUDA and here."""
 
 
 def _is_host(value: Any) -> bool:
@@ -126,7 +136,10 @@ class FakeAccelerator(TorchDispatchMode):
             if host:
                 raise DeviceMixError(f"{func}: a collective got host tensors {host} (NCCL takes device tensors only)")
         elif on_accelerator and func not in _TRANSFERS:
-            host = [tuple(t.shape) for t in flat if _is_host(t) and t.dim() > 0]
+            checked = flat
+            if func in _INDEXING and isinstance(args[0], OnAccelerator):
+                checked = [args[i] for i in _INDEXING[func]]  # the indices may stay on the host
+            host = [tuple(t.shape) for t in checked if _is_host(t) and t.dim() > 0]
             if host:
                 raise DeviceMixError(
                     f"{func}: expected all tensors to be on the same device, got accelerator tensors and host "

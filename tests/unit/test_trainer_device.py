@@ -32,6 +32,9 @@ def test_fake_accelerator_raises_where_a_gpu_would():
         with pytest.raises(DeviceMixError, match="same device"):
             on_device + torch.ones(3)
         assert float(on_device.sum() + torch.tensor(1.0)) == 4.0  # host 0-dim scalars mix, as with CUDA
+        assert on_device[torch.tensor([0, 2])].cpu().tolist() == [1.0, 1.0]  # host indices, as CUDA allows
+        with pytest.raises(DeviceMixError, match="same device"):
+            torch.ones(3)[torch.tensor([0], device=FAKE_DEVICE)]
         with pytest.raises(DeviceMixError, match="collective got host tensors"):
             dist.all_reduce(torch.ones(2))
         summed = torch.ones(2, device=FAKE_DEVICE)

@@ -332,3 +332,37 @@ def test_a_producer_round_carries_each_groups_images_once_and_evaluates_with_the
     (result,) = producer.evaluate(num_producers=1)
     assert (result.task, result.num_prompts) == ("shapes", 4)
     assert all(record["status"] for record in result.records)
+
+
+# ------------------------------------------------------------------ a second device (a GPU's mistakes, seen on CPU)
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared_prompt"])
+def test_a_vision_step_on_a_second_device_equals_the_host_run(vlm_dir, backend, image_rows, layout):
+    """The pixels, grids, 3-axis positions and prompt-token masks follow the trainer's device in every layout
+    (``fake_accelerator``: an operator mixing host and device tensors raises, as on a GPU), and the step computes
+    what it computes on the host. The batch arrives on the host, as rollouts do from Ray."""
+    from unittest import mock
+
+    from colossalai.accelerator import get_accelerator
+    from fake_accelerator import FAKE_DEVICE, FakeAccelerator, OnAccelerator
+
+    batch = rollout(backend, load(image_rows, backend), [0, 2])
+    config = make_config(
+        train={"sequence_layout": layout, "microbatch_size": 8, "attn_implementation": "eager", "batch_size": 2},
+        temperature=TEMPERATURE,
+    )
+    config = replace(config, model=replace(config.model, path=str(vlm_dir)))
+    host = make_trainer(config, device="cpu")
+    host_logprobs = host.logprobs_no_grad(host.model, batch)
+    host_metrics = host.train_step(batch)
+
+    accelerator = type(get_accelerator())
+    with mock.patch.object(accelerator, "get_current_device", lambda self: FAKE_DEVICE), FakeAccelerator():
+        trainer = make_trainer(config)
+        assert trainer.device == FAKE_DEVICE
+        assert all(isinstance(p, OnAccelerator) for p in trainer.model.parameters())
+        logprobs = trainer.logprobs_no_grad(trainer.model, batch).cpu()
+        metrics = trainer.train_step(batch)
+    torch.testing.assert_close(logprobs, host_logprobs, atol=1e-6, rtol=1e-6)
+    for name, value in host_metrics.items():
+        if not name.startswith("time/"):
+            assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
