@@ -1,4 +1,6 @@
-"""README's "Vision-language models": its GPU command line builds a valid config that fills one 8-GPU node."""
+"""README's "Vision-language models": its CPU command runs the embedded tiny VLM on its shapes task (the command
+``tests/e2e/test_vision_e2e.py`` and ``benchmarks/vision_learning.py`` run), and its GPU command line builds a
+valid config that fills one 8-GPU node."""
 
 from __future__ import annotations
 
@@ -25,9 +27,24 @@ def commands() -> list[list[str]]:
     return [shlex.split(line)[2:] for line in blocks.splitlines() if line.startswith("python rl_example.py")]
 
 
+def test_the_cpu_command_trains_the_embedded_vlm_on_the_shapes_task(monkeypatch):
+    from colossal_rl.config import EMBEDDED_SHAPES_EVAL_DATA, EMBEDDED_SHAPES_TRAIN_DATA, EMBEDDED_VLM_DIR
+
+    monkeypatch.chdir(REPO_ROOT)
+    cpu, _ = commands()
+    config = config_from_args(build_parser().parse_args(cpu)).validate()
+    assert config.generation.backend == "transformers" and config.reward.reward_type == "boxed"
+    assert Path(config.model.path).resolve() == EMBEDDED_VLM_DIR
+    assert Path(config.data.train_path).resolve() == EMBEDDED_SHAPES_TRAIN_DATA
+    assert [(task, Path(path).resolve()) for task, path in config.data.eval_paths] == [
+        ("shapes", EMBEDDED_SHAPES_EVAL_DATA)
+    ]
+    assert (config.generation.max_new_tokens, config.schedule.max_steps, config.run.eval_interval) == (12, 30, 10)
+
+
 def test_the_gpu_command_builds_a_valid_config_that_fills_a_node(monkeypatch):
     monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
-    (gpu,) = [config_from_args(build_parser().parse_args(argv)) for argv in commands()]
+    _, gpu = [config_from_args(build_parser().parse_args(argv)) for argv in commands()]
     assert (gpu.generation.backend, gpu.data.prompt_key, gpu.data.image_key) == ("vllm", "problem", "images")
     assert gpu.train.freeze_vision_tower and gpu.data.limit_images == 1 and gpu.data.max_pixels == 1003520
     assert gpu.validate() is gpu and gpu.model.path == "Qwen/Qwen2.5-VL-3B-Instruct"
