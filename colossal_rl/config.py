@@ -319,7 +319,7 @@ class TrainConfig:
     """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank."""
     lora_target_modules: str = "all-linear"
     """Modules that get adapters: comma-separated module names (``q_proj,v_proj``) or ``all-linear`` (every
-    linear layer but the output head)."""
+    linear layer but the output head; a vision-language model's vision tower is left out)."""
     freeze_vision_tower: bool = False
     """Vision-language models: train the language model only; the vision tower gets no gradient, and the weight
     sync leaves it out (it never changes)."""

@@ -21,27 +21,40 @@ from pathlib import Path
 import torch
 
 from colossal_rl.config import TrainConfig
+from colossal_rl.vision.models import is_vision_tower_weight
 
 ADAPTER_NAME = "default"
 _LORA_PARTS = (".lora_A.", ".lora_B.")
 
 
-def target_modules(train: TrainConfig) -> str | list[str]:
-    """peft's ``target_modules``: ``all-linear`` as is, else the comma-separated names as a list."""
+def target_modules(train: TrainConfig, model: torch.nn.Module | None = None) -> str | list[str]:
+    """peft's ``target_modules``: the comma-separated names as a list, or ``all-linear``. For a vision-language
+    ``model``, ``all-linear`` means the language model's linear layers: the full names of every ``nn.Linear``
+    outside the vision tower (``visual.``) except the output layer (peft's ``all-linear`` leaves that out too).
+    The tower gets no adapters and, like every non-adapter weight under LoRA, stays as loaded; name its modules
+    (Qwen2.5-VL: ``qkv``, ``proj``, ...) in ``--lora-target-modules`` to adapt it."""
     names = [name.strip() for name in train.lora_target_modules.split(",")]
-    return "all-linear" if names == ["all-linear"] else names
+    if names != ["all-linear"]:
+        return names
+    if model is None or not any(is_vision_tower_weight(name) for name, _ in model.named_parameters()):
+        return "all-linear"
+    output = model.get_output_embeddings()
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not output and not is_vision_tower_weight(name + ".")
+    ]
 
 
 def lora_scaling(train: TrainConfig) -> float:
     return train.lora_alpha / train.lora_rank
 
 
-def peft_lora_config(train: TrainConfig):
+def peft_lora_config(train: TrainConfig, targets: str | list[str] | None = None):
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=train.lora_rank, lora_alpha=train.lora_alpha, target_modules=target_modules(train), lora_dropout=0.0
-    )
+    targets = target_modules(train) if targets is None else targets
+    return LoraConfig(r=train.lora_rank, lora_alpha=train.lora_alpha, target_modules=targets, lora_dropout=0.0)
 
 
 def add_lora_adapters(model: torch.nn.Module, train: TrainConfig) -> torch.nn.Module:
@@ -51,7 +64,8 @@ def add_lora_adapters(model: torch.nn.Module, train: TrainConfig) -> torch.nn.Mo
     """
     from peft import inject_adapter_in_model
 
-    model = inject_adapter_in_model(peft_lora_config(train), model, adapter_name=ADAPTER_NAME)
+    config = peft_lora_config(train, target_modules(train, model))
+    model = inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     trainable = 0
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(is_adapter_key(name))
@@ -119,7 +133,8 @@ def write_adapter_dir(adapters: dict[str, torch.Tensor], train: TrainConfig, bas
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = peft_lora_config(train)
+    # The modules that were adapted, by full name: ``all-linear`` would put adapters on a VLM's tower on load.
+    config = peft_lora_config(train, sorted({name.rsplit(".lora_", 1)[0] for name in adapters}))
     config.base_model_name_or_path = base_model
     config.save_pretrained(str(directory))
     tensors = {f"base_model.model.{name}": t.detach().cpu().contiguous() for name, t in adapters.items()}

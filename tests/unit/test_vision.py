@@ -366,3 +366,50 @@ def test_a_vision_step_on_a_second_device_equals_the_host_run(vlm_dir, backend, 
     for name, value in host_metrics.items():
         if not name.startswith("time/"):
             assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+# ------------------------------------------------------------------ LoRA on a vision-language model
+def test_lora_all_linear_adapts_the_language_model_only_and_its_adapter_dir_says_so(vlm_dir, tmp_path):
+    """``--lora-target-modules all-linear`` (the default) puts adapters on the language model's linear layers,
+    not the vision tower's (peft's own ``all-linear`` would take both); naming tower modules adapts them; the
+    written adapter directory lists exactly the adapted modules, so peft loads it onto the base as trained."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from colossal_rl.config import TrainConfig
+    from colossal_rl.training.lora import adapter_state_dict, add_lora_adapters, write_adapter_dir
+
+    def load():
+        return AutoModelForImageTextToText.from_pretrained(vlm_dir).eval()
+
+    plain = load()
+    language_linears = {
+        name
+        for name, module in plain.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.startswith("visual.") and name != "lm_head"
+    }
+    model = add_lora_adapters(load(), TrainConfig(lora_rank=4))
+    adapters = adapter_state_dict(model.state_dict())
+    assert {name.rsplit(".lora_", 1)[0] for name in adapters} == language_linears
+    tower = add_lora_adapters(load(), TrainConfig(lora_rank=4, lora_target_modules="qkv"))
+    tower_adapted = {name.rsplit(".lora_", 1)[0] for name in adapter_state_dict(tower.state_dict())}
+    assert tower_adapted and all(name.startswith("visual.") for name in tower_adapted)
+
+    torch.manual_seed(0)
+    trained = {name: torch.randn_like(t) * 0.1 for name, t in adapters.items()}  # B != 0: the adapters matter
+    write_adapter_dir(trained, TrainConfig(lora_rank=4), str(vlm_dir), tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(load(), tmp_path / "adapter")
+    loaded_adapters = {name for name, _ in loaded.named_parameters() if ".lora_" in name}
+    assert not any(".visual." in name for name in loaded_adapters)
+    assert len(loaded_adapters) == len(trained)
+
+
+def test_a_lora_trainer_on_a_vlm_trains_and_syncs_language_adapters_only(vlm_dir, backend, image_rows):
+    batch = rollout(backend, load(image_rows, backend), [0, 1])
+    config = make_config(train={"lora_rank": 4, "microbatch_size": 8, "learning_rate": 1e-2})
+    config = replace(config, model=replace(config.model, path=str(vlm_dir)))
+    trainer = make_trainer(config, device="cpu")
+    metrics = trainer.train_step(batch)
+    assert metrics["train/grad_norm"] > 0
+    synced = trainer.stage_state_dict()
+    assert synced and all(".lora_" in name and not name.startswith("visual.") for name in synced)
