@@ -161,7 +161,10 @@ class TrainerGroup(ActorGroup):
     kind = "trainer"
 
     def setup(self) -> Calls:
-        return self._each("setup", lambda actor: actor.setup.remote())
+        """Trainer 0 opens the rendezvous store first (binding its port); every rank's setup waits for that port
+        (an object ref argument) and starts the process group on it."""
+        port = self.actors[0].host_rendezvous.remote()
+        return self._each("setup", lambda actor: actor.setup.remote(port))
 
     def weight_sync_address(self, ranks: Sequence[int]) -> Calls:
         return self._each("weight_sync_address", lambda actor: actor.weight_sync_address.remote(), ranks)
@@ -191,7 +194,7 @@ class TrainerGroup(ActorGroup):
 
 def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
     """Create the run's buffer, producers and trainers where the placement puts them (not waiting for them)."""
-    from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor, free_port
+    from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor
     from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port
 
     sched, par = config.schedule, config.parallel
@@ -206,9 +209,7 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
         n_behind=sched.n_behind,
         takers_per_rank=par.tp_size * par.pp_size,
     )
-    master_port = trainer_master_port(
-        config.run.master_port, joins_cluster=config.run.master_address is not None, free_port=free_port
-    )
+    master_port = trainer_master_port(config.run.master_port, joins_cluster=config.run.master_address is not None)
     placement = actor_options(
         ray.nodes(),
         num_producers=sched.num_producers,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 import warnings
 from pathlib import Path
@@ -39,12 +38,6 @@ def _configure_worker(num_threads: int) -> None:
 
 def node_address() -> str:
     return ray.util.get_node_ip_address()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 @ray.remote
@@ -282,9 +275,14 @@ class TrainerActor:
         self.trainer = Trainer(rank, world_size, config, master_addr, master_port)
         self.sender = None
 
-    def setup(self) -> dict:
-        """Process group, model, optimizer; returns who and where this rank is and its start-up phases."""
-        self.trainer.setup()
+    def host_rendezvous(self) -> int:
+        """Trainer 0: open the process group's rendezvous store now; returns its port."""
+        return self.trainer.host_rendezvous()
+
+    def setup(self, master_port: int) -> dict:
+        """Process group (on trainer 0's store at ``master_port``), model, optimizer; returns who and where this
+        rank is and its start-up phases."""
+        self.trainer.setup(master_port)
         return {
             "rank": self.trainer.rank,
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -294,7 +292,9 @@ class TrainerActor:
         }
 
     def weight_sync_address(self) -> tuple[str, int]:
-        return node_address(), free_port()
+        from colossal_rl.comm.process_group import find_free_port
+
+        return node_address(), find_free_port()
 
     def setup_weight_sync(self, routes: list, retain: bool = True) -> list:
         """Every rank takes part in gathering the weights; each pipeline stage's sender opens that stage's route

@@ -490,8 +490,8 @@ class RunConfig:
     master_address: str | None = None
     """Address of an existing Ray cluster head; None starts Ray locally."""
     master_port: int | None = None
-    """Rendezvous port of the trainers' process group on trainer 0's node; None: a free port when Ray runs
-    locally, ColossalChat's 29506 when joining a cluster (``master_address``)."""
+    """Rendezvous port of the trainers' process group on trainer 0's node; None: a free port trainer 0 binds
+    itself when Ray runs locally, ColossalChat's 29506 when joining a cluster (``master_address``)."""
     producer_threads: int | None = None
     """torch intra-op threads per producer; None: the machine's cores split evenly over all actors."""
     trainer_threads: int | None = None

@@ -17,7 +17,7 @@ GPUs and Ray may place them elsewhere rather than wait (a CPU actor only needs a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,13 +96,19 @@ CLUSTER_MASTER_PORT = 29506
 """The trainers' rendezvous port on a cluster when ``--master_port`` is not given (ColossalChat's default)."""
 
 
-def trainer_master_port(master_port: int | None, *, joins_cluster: bool, free_port: Callable[[], int]) -> int:
-    """The trainers' rendezvous port: ``master_port`` when given; else ``free_port()`` when Ray runs locally
+ANY_FREE_PORT = 0
+"""``trainer_master_port`` on a local run: trainer 0 binds a free port itself when it opens the rendezvous store
+(``Trainer.host_rendezvous``) and the others learn it from that call. A port chosen free by the driver and bound
+seconds later by trainer 0 could be taken in between (CI once saw another process's listener answer there)."""
+
+
+def trainer_master_port(master_port: int | None, *, joins_cluster: bool) -> int:
+    """The trainers' rendezvous port: ``master_port`` when given; else ``ANY_FREE_PORT`` when Ray runs locally
     (every actor is on this machine, and runs side by side never collide), or ``CLUSTER_MASTER_PORT`` on a
-    cluster, where trainer 0 may sit on a node whose free ports the driver cannot see."""
+    cluster (ColossalChat's fixed port, for clusters whose firewalls open known ports only)."""
     if master_port is not None:
         return master_port
-    return CLUSTER_MASTER_PORT if joins_cluster else free_port()
+    return CLUSTER_MASTER_PORT if joins_cluster else ANY_FREE_PORT
 
 
 def threads_per_actor(

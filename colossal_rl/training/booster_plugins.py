@@ -22,7 +22,8 @@ offered only in ``split_gather`` mode: ``ring`` mode produces wrong weight gradi
 
 from __future__ import annotations
 
-import colossalai
+import datetime
+
 import torch
 import torch.distributed as dist
 from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
@@ -40,18 +41,50 @@ def default_precision(on_cpu: bool) -> Precision:
     return "fp32" if on_cpu else "bf16"
 
 
-def launch_colossalai(rank: int, world_size: int, master_addr: str, master_port: int, *, on_cpu: bool) -> None:
+def open_rendezvous_store(port: int, world_size: int, *, timeout_s: float = 600.0) -> dist.TCPStore:
+    """Rank 0's store of the consumers' process group, listening on ``port`` (0: a free one, see ``.port``)."""
+    return dist.TCPStore(
+        "0.0.0.0", port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )  # fmt: skip
+
+
+def launch_colossalai(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    on_cpu: bool,
+    store: dist.Store | None = None,
+    timeout_s: float = 600.0,
+) -> None:
     """Start the consumers' default process group: gloo plus the CPU patches on CPU, nccl on GPU.
 
-    ColossalAI 0.5.0 picks the backend from its accelerator; the backend is checked afterwards so a
-    CPU run on a machine with CUDA (or the reverse) fails here instead of inside a collective.
+    What ``colossalai.launch`` does (process group, device, seed 1024, dynamo's DDP flag), over a store that
+    rank 0 hosts: ``store`` when rank 0 opened it already (:func:`open_rendezvous_store`), else rank 0 opens it
+    on ``master_port`` and the others connect to ``master_addr:master_port``. ColossalAI 0.5.0 picks the backend
+    from its accelerator; the backend is checked afterwards so a CPU run on a machine with CUDA (or the reverse)
+    fails here instead of inside a collective.
     """
+    from colossalai.accelerator import get_accelerator
+    from colossalai.utils import set_seed
+
     backend = "gloo" if on_cpu else "nccl"
     if on_cpu:
         apply_cpu_compat_patches()
-    colossalai.launch(
-        rank=rank, world_size=world_size, host=master_addr, port=master_port, backend=backend, verbose=False
-    )
+    accelerator = get_accelerator()
+    if store is None:
+        if rank == 0:
+            store = open_rendezvous_store(master_port, world_size, timeout_s=timeout_s)
+        else:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend=accelerator.communication_backend, store=store, rank=rank, world_size=world_size)
+    if accelerator.support_set_device:
+        accelerator.set_device(None)
+    set_seed(1024)
+    torch._dynamo.config.optimize_ddp = world_size > 1
     actual = dist.get_backend()
     if actual != backend:
         raise RuntimeError(f"expected a {backend} process group (on_cpu={on_cpu}), ColossalAI started {actual}")

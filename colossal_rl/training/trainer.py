@@ -124,12 +124,34 @@ class Trainer:
         """The loss (``training/objective.py``) and what it needs: a reference model, pi_old, whole groups."""
 
     # ------------------------------------------------------------------ setup
-    def setup(self) -> None:
-        """Start the consumers' process group (once per process), then :meth:`build`."""
+    def host_rendezvous(self) -> int:
+        """Rank 0: open the process group's store on ``master_port`` now (0: a free port, bound at once, so no
+        other process can take it before the group starts); returns the port the other ranks connect to."""
+        from colossal_rl.training.booster_plugins import open_rendezvous_store
+
+        self._rendezvous_store = open_rendezvous_store(
+            self.master_port, self.world_size, timeout_s=self.config.run.timeout_s
+        )
+        self.master_port = self._rendezvous_store.port
+        return self.master_port
+
+    def setup(self, master_port: int | None = None) -> None:
+        """Start the consumers' process group (once per process) on rank 0's store at ``master_port`` (default:
+        the constructor's), then :meth:`build`."""
+        if master_port is not None:
+            self.master_port = master_port
         with self.startup.record("colossalai import"):
             from colossal_rl.training.booster_plugins import launch_colossalai
         with self.startup.record("process group"):
-            launch_colossalai(self.rank, self.world_size, self.master_addr, self.master_port, on_cpu=self.on_cpu)
+            launch_colossalai(
+                self.rank,
+                self.world_size,
+                self.master_addr,
+                self.master_port,
+                on_cpu=self.on_cpu,
+                store=getattr(self, "_rendezvous_store", None),
+                timeout_s=self.config.run.timeout_s,
+            )
         self.build()
 
     def build(self, plugin: Plugin | None = None) -> None:

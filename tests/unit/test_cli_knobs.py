@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import colossal_rl.rollout.backend as backend_module
-from colossal_rl.placement import CLUSTER_MASTER_PORT, trainer_master_port
+from colossal_rl.placement import ANY_FREE_PORT, CLUSTER_MASTER_PORT, trainer_master_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
@@ -164,13 +164,29 @@ def test_master_port_flag_is_validated_and_reaches_the_run_config():
 
 
 def test_trainers_meet_on_the_given_port_locally_and_on_a_cluster():
-    def no_free_port() -> int:
-        raise AssertionError("a given port must not be replaced by a free one")
-
-    assert trainer_master_port(31000, joins_cluster=False, free_port=no_free_port) == 31000
-    assert trainer_master_port(31000, joins_cluster=True, free_port=no_free_port) == 31000
+    assert trainer_master_port(31000, joins_cluster=False) == 31000
+    assert trainer_master_port(31000, joins_cluster=True) == 31000
 
 
-def test_trainers_meet_on_a_free_port_locally_and_on_29506_on_a_cluster_by_default():
-    assert trainer_master_port(None, joins_cluster=False, free_port=lambda: 40123) == 40123
-    assert trainer_master_port(None, joins_cluster=True, free_port=lambda: 40123) == CLUSTER_MASTER_PORT == 29506
+def test_trainers_meet_on_a_port_trainer_0_binds_locally_and_on_29506_on_a_cluster_by_default():
+    assert trainer_master_port(None, joins_cluster=False) == ANY_FREE_PORT == 0
+    assert trainer_master_port(None, joins_cluster=True) == CLUSTER_MASTER_PORT == 29506
+
+
+def test_trainer_0_holds_the_rendezvous_port_from_the_moment_it_is_chosen():
+    """Port 0: trainer 0's store binds a free port at once, so no other process can take it before the others
+    connect (a port the driver picked free and trainer 0 bound seconds later once went to another listener)."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from colossal_rl.training.booster_plugins import open_rendezvous_store
+
+    store = open_rendezvous_store(ANY_FREE_PORT, 2, timeout_s=5)
+    assert store.port > 0
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other, pytest.raises(OSError):
+        other.bind(("", store.port))
+    client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=datetime.timedelta(seconds=5))
+    client.set("rank 1", "here")
+    assert store.get("rank 1") == b"here"
