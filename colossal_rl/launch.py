@@ -297,25 +297,29 @@ class Driver:
                 ) from None
 
     def _recover_producers(self, ranks: list[int]) -> None:
-        """Give restarted producers the last synced version's weights; the sync group is formed again later."""
+        """Give restarted producers the last synced version's weights; the sync group is formed again later.
+
+        A producer killed again while being given its weights is restarted again while its
+        ``--max-actor-restarts`` allows (Ray restarts it; each restart is counted here), and every restarted
+        producer gets the weights again; past the budget the run ends naming it."""
         if not ranks:
             return
-        for rank in ranks:
-            self.producer_restarts[rank] += 1
-            logger.warning(
-                "producer %d died and was restarted (%d of --max-actor-restarts %d); it regenerates its lost rounds",
-                rank, self.producer_restarts[rank], self.config.run.max_actor_restarts,
-            )  # fmt: skip
-        try:
+        self._count_restarts(ranks)
+        while True:
             calls = self.producers.restore_weights(ranks, self.progress.policy_version, self.retained_weights)
-            gather(calls, self.timeout)
-        except RunFailed as error:  # killed again while being given its weights back
-            limit = self.config.run.max_actor_restarts
-            if all(self.producer_restarts[rank] >= limit for rank in ranks):
-                raise RunFailed(
-                    f"{error}; not restarted again (--max-actor-restarts {limit} used up)", error.outcomes
-                ) from None
-            raise
+            try:
+                gather(calls, self.timeout)
+                break
+            except RunFailed as error:  # killed again while being given its weights back
+                limit = self.config.run.max_actor_restarts
+                if all(self.producer_restarts[rank] >= limit for rank in ranks):
+                    raise RunFailed(
+                        f"{error}; not restarted again (--max-actor-restarts {limit} used up)", error.outcomes
+                    ) from None
+                again = self._restarted_producers(error, calls, whole_sync=False)
+                if not again:
+                    raise
+                self._count_restarts(again)
         # Every call the dead process had not finished is made again now, before any later sync: the rounds it
         # was asked for need exactly these weights (each was submitted after the last completed sync).
         names = {f"producer {rank}" for rank in ranks}
@@ -327,6 +331,14 @@ class Driver:
             self.eval_before_calls = _redo_lost(self.eval_before_calls)
         self.sync_group_stale = True
         self.metrics.log("faults", self.step, {"faults/producer_restarts": sum(self.producer_restarts)})
+
+    def _count_restarts(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            self.producer_restarts[rank] += 1
+            logger.warning(
+                "producer %d died and was restarted (%d of --max-actor-restarts %d); it regenerates its lost rounds",
+                rank, self.producer_restarts[rank], self.config.run.max_actor_restarts,
+            )  # fmt: skip
 
     def _outstanding_producer_calls(self) -> Calls:
         queued = [c for r in sorted(self.pending_produce) for c in self.pending_produce[r]]

@@ -177,6 +177,23 @@ def test_a_killed_producer_is_restarted_and_the_run_trains_as_if_undisturbed(uni
     assert_trained_alike(expected, got, range(1, STEPS + 1))
 
 
+def test_a_producer_killed_again_right_after_its_restart_is_restarted_again(uninterrupted, dropout_model, tmp_path):
+    """A second kill lands as the restarted producer is being given its weights back (or just after): with
+    restarts left it is restarted again, given the weights again, and the run still trains as undisturbed."""
+    save_dir = tmp_path / "twice"
+    others = producer_pids()
+    run = Run(command(save_dir, "-m", dropout_model, "--max-actor-restarts", "3"))
+    first = run.kill_a_producer_while_training(others)
+    run.wait_for(lambda: "died and was restarted (1 of --max-actor-restarts 3)" in run.output, "the first restart")
+    second = run.wait_for(lambda: min(producer_pids() - others - {first}, default=None), "the restarted producer")
+    os.kill(second, signal.SIGKILL)
+    assert run.finish(timeout_s=500) == 0, run.output[-3000:]
+    assert "died and was restarted (2 of --max-actor-restarts 3)" in run.output
+    got, expected = train_records(run_dir_in(save_dir)), train_records(uninterrupted)
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    assert_trained_alike(expected, got, range(1, STEPS + 1))
+
+
 def kill_driver_after_checkpoint(save_dir: Path, step: int, model: str) -> Path:
     """Start a run, ``kill -9`` its driver as soon as the checkpoint of ``step`` is committed."""
     driver = subprocess.Popen(
