@@ -1,6 +1,6 @@
 """From a causal LM and ``[prompt | response]`` sequences to the response tokens' log-probabilities.
 
-Two paths, equal to fp32 rounding (``tests/unit/test_policy_forward.py``):
+Two paths, equal to fp32 rounding (``tests/unit/test_memory_features.py``):
 
 - **logits** (``logits_from_hidden=False``): the model's forward returns logits [B, L, V]; the log-softmax
   is then taken in chunks of positions. The whole [B, L, V] tensor (and, under autograd, its gradient)

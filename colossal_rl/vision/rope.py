@@ -7,7 +7,7 @@ sequence's positions end below its length and generation continues from there (t
 
 :func:`sequence_positions` numbers one sequence's real tokens from 0; the padded and packed layouts place those
 numbers where the sequence's tokens sit (left padding, or a block of a packed row). Equal to the model's own
-``get_rope_index`` (``tests/unit/test_vision_rope.py``). Images only: video inputs are not supported.
+``get_rope_index`` (``tests/unit/test_vision.py``). Images only: video inputs are not supported.
 """
 
 from __future__ import annotations
