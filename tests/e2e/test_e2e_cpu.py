@@ -5,15 +5,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
+from run_processes import marked_env, new_marker, processes_of_run
 from transformers import AutoModelForCausalLM
 
 from colossal_rl.config import (
@@ -120,25 +119,8 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     assert staleness == [0.0, 0.0, 1.0, 1.0]
 
 
-RUN_MARKER = "COLOSSAL_RL_TEST_RUN"
-"""Set in the CLI run's environment: every process the run starts (Ray's raylet and workers, reward sandboxes)
-inherits it, so the test finds what the run left behind without counting another Ray instance on the machine
-(an earlier test's workers still exiting, or a parallel job's) as this run's."""
-
-
-def _processes_of_run(marker: str) -> dict[int, str]:
-    found = {}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if proc.environ().get(RUN_MARKER) == marker:
-                found[proc.info["pid"]] = " ".join(proc.info["cmdline"] or [])[:200]
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
 def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
-    marker = f"{os.getpid()}-{time.monotonic_ns()}"
+    marker = new_marker()
     command = [
         sys.executable,
         "rl_example.py",
@@ -168,8 +150,7 @@ def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
         "--timeout",
         "120",
     ]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", RUN_MARKER: marker}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    result = subprocess.run(command, cwd=REPO, env=marked_env(marker), capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     # ColossalAI's notices about optional accelerators (TensorNVMe, apex, bitsandbytes kernels) are filtered.
@@ -190,7 +171,7 @@ def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
     assert end >= start + LEARNS_MIN_GAIN, f"eval accuracy {start} -> {end}"
     assert all(math.isfinite(r["train/loss"]) for r in records if r["kind"] == "train")
     deadline = time.monotonic() + 15  # worker processes exit asynchronously after ray.shutdown()
-    while (leftover := _processes_of_run(marker)) and time.monotonic() < deadline:
+    while (leftover := processes_of_run(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not leftover, f"processes of the run left behind: {leftover}"
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_processes import actor_pids, marked_env, new_marker
 
 from colossal_rl.metrics import read_metrics
 
@@ -110,22 +111,14 @@ def assert_trained_alike(expected: dict[int, dict], got: dict[int, dict], steps)
                 assert have[key] == value, f"step {step}: {key}"
 
 
-def producer_pids(actor: str = "ProducerActor") -> set[int]:
-    """Processes of ``actor`` workers on this machine (Ray titles them ``ray::ProducerActor...``)."""
-    import psutil
-
-    found = set()
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if any(f"ray::{actor}" in part for part in proc.info["cmdline"] or ()):
-            found.add(proc.info["pid"])
-    return found
-
-
 class Run:
-    """``rl_example.py`` in the background, its stderr collected."""
+    """``rl_example.py`` in the background, its stderr collected, its processes marked (``run_processes``)."""
 
     def __init__(self, argv: list[str]):
-        self.process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.marker = new_marker()
+        self.process = subprocess.Popen(
+            argv, cwd=REPO, env=marked_env(self.marker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.process.stderr), daemon=True)
         self.reader.start()
@@ -153,10 +146,14 @@ class Run:
         self.reader.join(timeout=10)
         return returncode
 
-    def kill_a_producer_while_training(self, known: set[int]) -> int:
-        """``kill -9`` a producer that is not in ``known`` once training has started; returns its pid."""
+    def actor_pids(self, actor: str = "ProducerActor") -> set[int]:
+        """This run's worker processes of ``actor`` (never another run's)."""
+        return actor_pids(self.marker, actor)
+
+    def kill_a_producer_while_training(self, known: set[int] = frozenset()) -> int:
+        """``kill -9`` a producer of this run that is not in ``known`` once training has started; returns its pid."""
         self.wait_for(lambda: "optimizer steps:" in self.output, "training started")
-        pid = self.wait_for(lambda: min(producer_pids() - known, default=None), "a producer process")
+        pid = self.wait_for(lambda: min(self.actor_pids() - known, default=None), "a producer process")
         os.kill(pid, signal.SIGKILL)
         return pid
 
@@ -165,9 +162,8 @@ def test_a_killed_producer_is_restarted_and_the_run_trains_as_if_undisturbed(uni
     """Elastic producers: the restarted producer gets the last synced weights back and regenerates its lost
     rounds, so every step trains the same samples to the same metrics as the undisturbed run."""
     save_dir = tmp_path / "elastic"
-    others = producer_pids()
     run = Run(command(save_dir, "-m", dropout_model, "--max-actor-restarts", "2"))
-    run.kill_a_producer_while_training(others)
+    run.kill_a_producer_while_training()
     assert run.finish(timeout_s=500) == 0, run.output[-3000:]
     assert "died and was restarted (1 of --max-actor-restarts 2)" in run.output
     records = read_metrics(run_dir_in(save_dir) / "metrics.jsonl")
@@ -181,11 +177,10 @@ def test_a_producer_killed_again_right_after_its_restart_is_restarted_again(unin
     """A second kill lands as the restarted producer is being given its weights back (or just after): with
     restarts left it is restarted again, given the weights again, and the run still trains as undisturbed."""
     save_dir = tmp_path / "twice"
-    others = producer_pids()
     run = Run(command(save_dir, "-m", dropout_model, "--max-actor-restarts", "3"))
-    first = run.kill_a_producer_while_training(others)
+    first = run.kill_a_producer_while_training()
     run.wait_for(lambda: "died and was restarted (1 of --max-actor-restarts 3)" in run.output, "the first restart")
-    second = run.wait_for(lambda: min(producer_pids() - others - {first}, default=None), "the restarted producer")
+    second = run.wait_for(lambda: min(run.actor_pids() - {first}, default=None), "the restarted producer")
     os.kill(second, signal.SIGKILL)
     assert run.finish(timeout_s=500) == 0, run.output[-3000:]
     assert "died and was restarted (2 of --max-actor-restarts 3)" in run.output
@@ -304,11 +299,10 @@ def test_profile_has_every_actors_phases_and_renders(uninterrupted):
 
 
 def test_a_producer_killed_more_often_than_allowed_ends_the_run_naming_it(tmp_path):
-    others = producer_pids()
     run = Run(command(tmp_path, "--max-steps", "40", "--timeout", "60", "--max-actor-restarts", "1"))
-    first = run.kill_a_producer_while_training(others)
+    first = run.kill_a_producer_while_training()
     run.wait_for(lambda: "died and was restarted (1 of --max-actor-restarts 1)" in run.output, "the restart")
-    run.kill_a_producer_while_training(others | {first})
+    run.kill_a_producer_while_training({first})
     assert run.finish(timeout_s=300) == 2
     assert re.search(r"ERROR .*producer 0 \(\w+\) (failed|died).*--max-actor-restarts 1 used up", run.output), (
         run.output[-3000:]
@@ -318,13 +312,12 @@ def test_a_producer_killed_more_often_than_allowed_ends_the_run_naming_it(tmp_pa
 def test_a_killed_trainer_ends_the_run_with_the_command_that_resumes_it(tmp_path):
     """In shm weight-sync mode, so the killed sender's /dev/shm region (never closed) must be removed by the
     driver's shutdown too."""
-    others = producer_pids("TrainerActor")
     regions_before = set(Path("/dev/shm").glob("colossal_rl-*"))
     run = Run(command(tmp_path, "--max-steps", "40", "--timeout", "60", "--weight-sync-mode", "shm"))
     checkpoint = run.wait_for(
         lambda: min(tmp_path.glob("*/checkpoints/step_000002/state.json"), default=None), "a checkpoint"
     )
-    os.kill(min(producer_pids("TrainerActor") - others), signal.SIGKILL)
+    os.kill(min(run.actor_pids("TrainerActor")), signal.SIGKILL)
     assert run.finish(timeout_s=300) == 2
     run_dir = checkpoint.parents[2]
     expected = (
