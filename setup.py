@@ -39,6 +39,7 @@ setup(
         "rich",
         "safetensors",
         "matplotlib",
+        "psutil",  # the driver stops its local Ray instance's processes (colossalai and peft require it already)
     ],
     extras_require={
         # cupy-cuda12x 14.x requires numpy>=2; 13.6.0 is the last release that accepts numpy<2 (vLLM 0.7.3's).

@@ -30,6 +30,7 @@ from colossal_rl.comm.sync_stages import stage_senders
 from colossal_rl.comm.weight_sync_modes import plan_routes
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
+from colossal_rl.local_ray import shutdown_local_ray
 from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
 from colossal_rl.placement import check_transport_for_cluster
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
@@ -584,7 +585,9 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         if driver is not None:
             driver.shutdown()
         metrics.close()
-        if started_ray:
+        if started_ray and not config.run.master_address:
+            shutdown_local_ray()  # and every process of the local instance gone: nothing of the run outlives it
+        elif started_ray:
             ray.shutdown()
     return RunSummary(
         run_dir=str(run_dir),
