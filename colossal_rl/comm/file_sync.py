@@ -76,6 +76,7 @@ class FileSender:
         self.prefix = prefix
         self.directory.mkdir(parents=True, exist_ok=True)
         self.last_policy_version: int | None = None
+        logger.info("file weight sync through %s (%s*)", self.directory, prefix)
 
     def send(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
         if self.last_policy_version is not None and policy_version <= self.last_policy_version:
