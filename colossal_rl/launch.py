@@ -25,7 +25,7 @@ import ray
 from tqdm import tqdm
 
 from colossal_rl import run_checkpoint as ckpt
-from colossal_rl.actor_groups import Call, Calls, RunFailed, call_outcome, gather, spawn_actors
+from colossal_rl.actor_groups import Call, Calls, RunFailed, gather, spawn_actors
 from colossal_rl.comm.sync_stages import stage_senders
 from colossal_rl.comm.weight_sync_modes import plan_routes
 from colossal_rl.config import RLConfig
@@ -33,6 +33,7 @@ from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.local_ray import shutdown_local_ray
 from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
 from colossal_rl.placement import check_transport_for_cluster
+from colossal_rl.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.rollout.eval_result import aggregate_eval
 from colossal_rl.run_checkpoint import RunProgress
@@ -71,16 +72,6 @@ def resume_hint(run_dir: Path) -> str:
     if not found:
         return "no checkpoint was saved to resume from (-si/--save-interval 0)"
     return f"resume with: python rl_example.py --config {Path(run_dir) / CONFIG_FILE} -cp {found[-1]}"
-
-
-def _redo_lost(calls: Calls) -> Calls:
-    """The calls, each one that finished with an error made again (on the restarted actor)."""
-
-    def lost(call: Call) -> bool:
-        ready, _ = ray.wait([call.ref], timeout=0)
-        return call.redo is not None and bool(ready) and call_outcome(call.ref)[0] != "ok"
-
-    return [Call(c.name, c.redo(), c.redo) if lost(c) else c for c in calls]
 
 
 def init_ray(config: RLConfig) -> None:
@@ -150,12 +141,13 @@ class Driver:
         """A producer restarted since the weight-sync group was formed: form it again before the next sync."""
         self.retained_weights: list = []
         """Object-store copies (one per sync stage) of the last synced version's weights: a restarted producer's."""
-        self.producer_pids: list[int | None] = [None] * len(self.producers)
-        self.producer_nodes: list[str] = []
+        self.restarts = ProducerRestarts(
+            self.producers, max_restarts=config.run.max_actor_restarts, timeout_s=self.timeout
+        )
+        """The producers' processes (pid, node) and the restarts each has used."""
         self.trainer_nodes: list[str] = []
         """Ray node ids (by rank): whether a producer can read a sender's shared memory (``--weight-sync-mode``)."""
         self.sync_formations = 0
-        self.producer_restarts = [0] * len(self.producers)
         self.last_saved_step = 0
         self.final_model_dir: Path | None = None
         self.eval_before_calls: Calls | None = None
@@ -177,8 +169,7 @@ class Driver:
         if len(train_rows) != 1:
             raise RunFailed(f"producers loaded different numbers of training prompts: {sorted(train_rows)}")
         (self.train_rows,) = train_rows
-        self.producer_pids = [info["pid"] for info in ready[: len(self.producers)]]
-        self.producer_nodes = [info["node_id"] for info in ready[: len(self.producers)]]
+        self.restarts.record_ready(ready[: len(self.producers)])
         self.trainer_nodes = [info["node_id"] for info in ready[len(self.producers) :]]
         dropped = ready[0]["dropped_overlong"]
         self.metrics.log("data", 0, {"data/train_prompts": self.train_rows, "data/dropped_overlong_prompts": dropped})
@@ -208,7 +199,7 @@ class Driver:
         send_routes, receive_routes = plan_routes(
             self.config.run.weight_sync_mode,
             sender_nodes=[self.trainer_nodes[rank] for rank in self.sync_senders],
-            producer_nodes=self.producer_nodes,
+            producer_nodes=self.restarts.nodes,
             addresses=addresses,
             run_dir=self.run_dir,
             formation=self.sync_formations,
@@ -240,7 +231,9 @@ class Driver:
             try:
                 return gather(calls, self.timeout)
             except RunFailed as failure:
-                restarted = self._restarted_producers(failure, calls, whole_sync=make is not None)
+                if any(name.startswith("trainer") and outcome == "died" for name, outcome in failure.outcomes.items()):
+                    raise RunFailed(f"{failure}; {resume_hint(self.run_dir)}", failure.outcomes) from None
+                restarted = self.restarts.restarted(failure, calls, whole_sync=make is not None)
                 retries_without_restart = 0 if restarted else retries_without_restart + 1
                 if retries_without_restart > 2:  # failing again with nobody restarted: not a producer death
                     raise
@@ -249,97 +242,25 @@ class Driver:
                 self._form_weight_sync(retain=False)
                 calls = make()
             else:
-                calls = _redo_lost(calls)
-
-    def _restarted_producers(self, failure: RunFailed, calls: Calls, *, whole_sync: bool) -> list[int]:
-        """Producer ranks Ray restarted (new processes) behind ``failure``; raises if the run cannot go on."""
-        if any(name.startswith("trainer") and outcome == "died" for name, outcome in failure.outcomes.items()):
-            raise RunFailed(f"{failure}; {resume_hint(self.run_dir)}", failure.outcomes) from None
-        if self.config.run.max_actor_restarts == 0 or not failure.outcomes:  # none allowed, or a hang
-            raise failure
-        producer_refs = [c.ref for c in calls if c.actor.startswith("producer")]
-        settled, _ = ray.wait(producer_refs, num_returns=len(producer_refs), timeout=self.timeout)
-        settled = set(settled)
-        outcomes = {c.actor: call_outcome(c.ref)[0] for c in calls if c.ref in settled}
-        outcomes |= {name.split(" (")[0]: outcome for name, outcome in failure.outcomes.items()}
-        trainer_failed = any(a.startswith("trainer") and o != "ok" for a, o in outcomes.items())
-        suspects = sorted(
-            int(actor.split()[1]) for actor, o in outcomes.items() if actor.startswith("producer") and o != "ok"
-        )
-        if not suspects or (trainer_failed and not whole_sync):
-            raise failure
-        infos = self._producers_alive(suspects, failure)
-        restarted = [
-            rank for rank, info in zip(suspects, infos, strict=True) if info["pid"] != self.producer_pids[rank]
-        ]
-        lost_calls = [c for c in calls if c.ref in settled and call_outcome(c.ref)[0] in ("died", "restarted")]
-        if not restarted and not lost_calls and not whole_sync:
-            raise failure  # producers that are alive and were not restarted failed: a real error
-        for rank, info in zip(suspects, infos, strict=True):
-            if rank in restarted:
-                self.producer_pids[rank] = info["pid"]
-                self.producer_nodes[rank] = info["node_id"]  # Ray may have placed it on another node
-        return restarted
-
-    def _producers_alive(self, ranks: list[int], failure: RunFailed) -> list[dict]:
-        """Each producer's ``ready`` info once Ray has it running again; a producer past its restarts ends the run."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                return gather(self.producers.ready(ranks), max(1.0, deadline - time.monotonic()))
-            except RunFailed as error:
-                restarting = "The actor is restarting" in str(error)  # Ray refuses calls while it restarts one
-                if restarting and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                    continue
-                limit = self.config.run.max_actor_restarts
-                raise RunFailed(
-                    f"{failure}; not restarted again (--max-actor-restarts {limit} used up): {error}", error.outcomes
-                ) from None
+                calls = redo_lost(calls)
 
     def _recover_producers(self, ranks: list[int]) -> None:
-        """Give restarted producers the last synced version's weights; the sync group is formed again later.
-
-        A producer killed again while being given its weights is restarted again while its
-        ``--max-actor-restarts`` allows (Ray restarts it; each restart is counted here), and every restarted
-        producer gets the weights again; past the budget the run ends naming it."""
+        """Give restarted producers the last synced version's weights and re-issue what they lost; the sync
+        group is formed again before the next sync."""
         if not ranks:
             return
-        self._count_restarts(ranks)
-        while True:
-            calls = self.producers.restore_weights(ranks, self.progress.policy_version, self.retained_weights)
-            try:
-                gather(calls, self.timeout)
-                break
-            except RunFailed as error:  # killed again while being given its weights back
-                limit = self.config.run.max_actor_restarts
-                if all(self.producer_restarts[rank] >= limit for rank in ranks):
-                    raise RunFailed(
-                        f"{error}; not restarted again (--max-actor-restarts {limit} used up)", error.outcomes
-                    ) from None
-                again = self._restarted_producers(error, calls, whole_sync=False)
-                if not again:
-                    raise
-                self._count_restarts(again)
+        self.restarts.restore_weights(ranks, self.progress.policy_version, self.retained_weights)
         # Every call the dead process had not finished is made again now, before any later sync: the rounds it
         # was asked for need exactly these weights (each was submitted after the last completed sync).
         names = {f"producer {rank}" for rank in ranks}
         outstanding = [c.ref for c in self._outstanding_producer_calls() if c.actor in names]
         ray.wait(outstanding, num_returns=len(outstanding), timeout=min(30.0, self.timeout))
         for round_index in sorted(self.pending_produce):
-            self.pending_produce[round_index] = _redo_lost(self.pending_produce[round_index])
+            self.pending_produce[round_index] = redo_lost(self.pending_produce[round_index])
         if self.eval_before_calls is not None:
-            self.eval_before_calls = _redo_lost(self.eval_before_calls)
+            self.eval_before_calls = redo_lost(self.eval_before_calls)
         self.sync_group_stale = True
-        self.metrics.log("faults", self.step, {"faults/producer_restarts": sum(self.producer_restarts)})
-
-    def _count_restarts(self, ranks: list[int]) -> None:
-        for rank in ranks:
-            self.producer_restarts[rank] += 1
-            logger.warning(
-                "producer %d died and was restarted (%d of --max-actor-restarts %d); it regenerates its lost rounds",
-                rank, self.producer_restarts[rank], self.config.run.max_actor_restarts,
-            )  # fmt: skip
+        self.metrics.log("faults", self.step, {"faults/producer_restarts": self.restarts.total})
 
     def _outstanding_producer_calls(self) -> Calls:
         queued = [c for r in sorted(self.pending_produce) for c in self.pending_produce[r]]
