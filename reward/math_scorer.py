@@ -3,7 +3,8 @@
 Equal normalised strings are correct at once; everything else goes to math-verify in the
 worker pool (:mod:`colossal_rl.reward.math_pool`), with a plain string comparison only when
 math-verify cannot parse one side. Several different final answers, or a hedged one ("3 or 4"),
-score 0.
+score 0. The verdicts are pure functions (:func:`prepare_answer` before math-verify, :func:`finish_answer`
+on its outcome), testable without the worker pool.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class MathRewardConfig:
 
 
 @dataclass(frozen=True)
-class _Prepared:
+class PreparedAnswer:
     """A sample after extraction: either already scored (``record``) or waiting for math-verify."""
 
     record: RewardRecord | None
@@ -78,15 +79,21 @@ class MathScorer:
         self.reward_type = reward_type
         self.config = config or MathRewardConfig()
         self._extract = EXTRACTORS[reward_type]
+        self._needs_format = reward_type == "think_answer_tags" and self.config.require_format
         self._pool = MathVerifierPool(self.config.num_workers, self.config.timeout_s, self.config.startup_timeout_s)
 
     def score_batch(self, responses: list[str], rows: list[dict[str, Any]]) -> list[RewardRecord]:
         if len(responses) != len(rows):
             raise ValueError(f"{len(responses)} responses but {len(rows)} rows")
-        prepared = [self._prepare(response, row) for response, row in zip(responses, rows, strict=True)]
+        prepared = [
+            prepare_answer(response, row, self._extract, self._needs_format)
+            for response, row in zip(responses, rows, strict=True)
+        ]
         pending = [p for p in prepared if p.record is None]
         checks = iter(self._pool.check_many([(p.gold, p.answer) for p in pending]))
-        return [p.record if p.record is not None else self._finish(p, next(checks)) for p in prepared]
+        return [
+            p.record if p.record is not None else finish_answer(p, next(checks), self._needs_format) for p in prepared
+        ]
 
     def score(self, response: str, row: dict[str, Any]) -> RewardRecord:
         return self.score_batch([response], [row])[0]
@@ -94,45 +101,53 @@ class MathScorer:
     def close(self) -> None:
         self._pool.close()
 
-    # ------------------------------------------------------------------ steps
-    def _prepare(self, response: str, row: dict[str, Any]) -> _Prepared:
-        gold = _gold_answer(row)
-        if gold is None:
-            return _Prepared(infra_error("row has no usable 'gt_answer'", row_keys=sorted(row)[:20]))
-        if not isinstance(response, str):
-            return _Prepared(infra_error(f"response is {type(response).__name__}, not str"))
-        extracted = self._extract(response)
-        format_ok = extracted.format_ok
-        details = {"answer": (extracted.answer or "")[:500], "gold": gold[:500]}
-        if extracted.answer is None:
-            return _Prepared(RewardRecord(0.0, format_ok, False, FORMAT_ERROR, details))
-        if len(extracted.candidates) > 1:
-            details["candidates"] = [c[:200] for c in extracted.candidates[:10]]
-            return _Prepared(RewardRecord(0.0, format_ok, False, AMBIGUOUS_ANSWER, details))
-        if HEDGE_RE.search(extracted.answer) and not HEDGE_RE.search(gold):
-            details["reason"] = "hedged answer"
-            return _Prepared(RewardRecord(0.0, format_ok, False, AMBIGUOUS_ANSWER, details))
-        if normalize_answer(extracted.answer) == normalize_answer(gold):
-            return _Prepared(self._record(True, format_ok, OK, details))
-        return _Prepared(None, gold, extracted.answer, format_ok)
 
-    def _finish(self, prepared: _Prepared, check: MathCheck) -> RewardRecord:
-        details = {"answer": prepared.answer[:500], "gold": prepared.gold[:500]}
-        if check.outcome in ("correct", "wrong"):
-            return self._record(check.outcome == "correct", prepared.format_ok, OK, details)
-        if check.outcome == "unparsed":
-            equal = normalize_for_fallback(prepared.answer) == normalize_for_fallback(prepared.gold)
-            return self._record(equal, prepared.format_ok, STRING_FALLBACK, details)
-        if check.outcome == "timeout":
-            return RewardRecord(0.0, prepared.format_ok, False, TIMEOUT, {**details, "error": check.detail})
-        return infra_error(f"math verifier failed: {check.detail}", **details)
+# ------------------------------------------------------------------ verdicts: pure functions, no workers
+def prepare_answer(
+    response: str, row: dict[str, Any], extract: Callable[[str], ExtractedAnswer], needs_format: bool
+) -> PreparedAnswer:
+    """Extract the answer and decide what needs no math-verify: no gold, no answer, several answers, a hedge,
+    or a normalised string equal to the gold's (correct). Everything else is left for math-verify."""
+    gold = _gold_answer(row)
+    if gold is None:
+        return PreparedAnswer(infra_error("row has no usable 'gt_answer'", row_keys=sorted(row)[:20]))
+    if not isinstance(response, str):
+        return PreparedAnswer(infra_error(f"response is {type(response).__name__}, not str"))
+    extracted = extract(response)
+    format_ok = extracted.format_ok
+    details = {"answer": (extracted.answer or "")[:500], "gold": gold[:500]}
+    if extracted.answer is None:
+        return PreparedAnswer(RewardRecord(0.0, format_ok, False, FORMAT_ERROR, details))
+    if len(extracted.candidates) > 1:
+        details["candidates"] = [c[:200] for c in extracted.candidates[:10]]
+        return PreparedAnswer(RewardRecord(0.0, format_ok, False, AMBIGUOUS_ANSWER, details))
+    if HEDGE_RE.search(extracted.answer) and not HEDGE_RE.search(gold):
+        details["reason"] = "hedged answer"
+        return PreparedAnswer(RewardRecord(0.0, format_ok, False, AMBIGUOUS_ANSWER, details))
+    if normalize_answer(extracted.answer) == normalize_answer(gold):
+        return PreparedAnswer(answer_record(True, format_ok, OK, details, needs_format))
+    return PreparedAnswer(None, gold, extracted.answer, format_ok)
 
-    def _record(self, correct: bool, format_ok: bool, status: str, details: dict) -> RewardRecord:
-        needs_format = self.reward_type == "think_answer_tags" and self.config.require_format
-        reward = 1.0 if correct and (format_ok or not needs_format) else 0.0
-        if correct and needs_format and not format_ok:
-            status = FORMAT_ERROR
-        return RewardRecord(reward, format_ok, correct, status, details)
+
+def finish_answer(prepared: PreparedAnswer, check: MathCheck, needs_format: bool) -> RewardRecord:
+    """The record of a sample math-verify looked at; ``unparsed`` falls back to comparing normalised strings."""
+    details = {"answer": prepared.answer[:500], "gold": prepared.gold[:500]}
+    if check.outcome in ("correct", "wrong"):
+        return answer_record(check.outcome == "correct", prepared.format_ok, OK, details, needs_format)
+    if check.outcome == "unparsed":
+        equal = normalize_for_fallback(prepared.answer) == normalize_for_fallback(prepared.gold)
+        return answer_record(equal, prepared.format_ok, STRING_FALLBACK, details, needs_format)
+    if check.outcome == "timeout":
+        return RewardRecord(0.0, prepared.format_ok, False, TIMEOUT, {**details, "error": check.detail})
+    return infra_error(f"math verifier failed: {check.detail}", **details)
+
+
+def answer_record(correct: bool, format_ok: bool, status: str, details: dict, needs_format: bool) -> RewardRecord:
+    """Reward 1 iff the answer is correct and, when ``needs_format``, the response has the required shape."""
+    reward = 1.0 if correct and (format_ok or not needs_format) else 0.0
+    if correct and needs_format and not format_ok:
+        status = FORMAT_ERROR
+    return RewardRecord(reward, format_ok, correct, status, details)
 
 
 def _gold_answer(row: dict[str, Any]) -> str | None:
