@@ -235,6 +235,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         new='        "pixel_values": torch.cat([v.pixel_values for v in present]).to(dtype=dtype),\n',
         tests=("tests/unit/test_vision.py::test_a_vision_step_on_a_second_device_equals_the_host_run[packed]",),
     ),
+    Mutation(
+        name="math_normalisation_strips_zeros",
+        why='answer normalisation strips trailing zeros with the full stop: "10", "100" and "1" become equal',
+        path="reward/extract.py",
+        old='    return text.rstrip(".")\n',
+        new='    return text.rstrip(".0")\n',
+        tests=(
+            "tests/unit/test_reward_math.py::test_normalize_answer_hand_computed[10-10]",
+            "tests/unit/test_reward_math.py::test_normalisation_keeps_different_numbers_apart",
+            "tests/unit/test_reward_math.py::test_boxed_answers_that_differ_are_several_candidates",
+            "tests/unit/test_reward_math.py::test_boxed_verdicts[10_is_not_1]",
+            "tests/unit/test_reward_math.py::test_boxed_verdicts[100_is_not_10]",
+            "tests/unit/test_reward_math.py::test_boxed_verdicts[10_then_1]",
+            "tests/unit/test_reward_math.py::test_boxed_answers",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -1,4 +1,5 @@
-"""Math rewards: answer extraction, equivalence through math-verify workers, and their timeout."""
+"""Math rewards: answer extraction and normalisation, the verdicts (fast: pure functions, with math-verify's
+outcome written by hand), and equivalence through the real math-verify workers and their timeout (slow)."""
 
 import os
 import signal
@@ -8,12 +9,16 @@ import pytest
 
 from colossal_rl.reward import build_reward_scorer
 from colossal_rl.reward.extract import (
+    extract_boxed_answer,
     extract_tagged_answer,
     find_boxed,
     has_think_answer_shape,
     last_python_block,
     normalize_answer,
+    normalize_for_fallback,
 )
+from colossal_rl.reward.math_pool import MathCheck
+from colossal_rl.reward.math_scorer import EXTRACTORS, finish_answer, prepare_answer
 
 MATH_TIMEOUT_S = 2.0
 
@@ -41,6 +46,122 @@ def test_normalize_and_code_block():
     assert last_python_block("```\nno tag\n```") is None
 
 
+NORMALIZED = [
+    # (answer, normalize_answer's result, written by hand)
+    ("1", "1"),
+    ("10", "10"),
+    ("100", "100"),
+    ("100.", "100"),  # a sentence's full stop
+    ("0.1", "0.1"),
+    ("1.0", "1.0"),  # conservative: "1.0" vs "1" is math-verify's call, not a string rewrite's
+    ("2000", "2000"),
+    (" $ 10 $ ", "10"),
+    (r"\(10\)", "10"),
+    (r"\[ 10 \]", "10"),
+    (r"\text{10}", "10"),
+    (r"\mathbf{\text{20}}", "20"),
+    (r"10\,000", "10000"),
+    (r"\left( 1, 0 \right)", "(1,0)"),
+    (r"\tfrac{1}{10}", r"\frac{1}{10}"),
+    ("x = 10", "x=10"),
+]
+
+
+@pytest.mark.parametrize(("answer", "expected"), NORMALIZED)
+def test_normalize_answer_hand_computed(answer, expected):
+    assert normalize_answer(answer) == expected
+
+
+def test_normalisation_keeps_different_numbers_apart():
+    numbers = ["0", "1", "10", "100", "1000", "0.1", "0.01", "1.0", "10.0", "01", "-1", "-10", "2", "20", "200"]
+    assert len({normalize_answer(n) for n in numbers}) == len(numbers)
+    assert len({normalize_for_fallback(n) for n in numbers}) == len(numbers)
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [("North-East", "north-east"), (r"90^\circ", "90"), (r"90^{\circ}", "90"), (r"50\%", "50"), (r"\$10", "10"),
+     ("{10}", "10"), ("100", "100"), ("10.", "10")],
+)  # fmt: skip
+def test_normalize_for_fallback_hand_computed(answer, expected):
+    assert normalize_for_fallback(answer) == expected
+
+
+def test_boxed_answers_that_differ_are_several_candidates():
+    assert extract_boxed_answer(r"\boxed{10} no, \boxed{1}").candidates == ("10", "1")
+    assert extract_boxed_answer(r"\boxed{100} so \boxed{100.}").candidates == ("100",)
+    assert extract_boxed_answer(r"\boxed{1} or \boxed{1.0}").candidates == ("1", "1.0")
+
+
+# ------------------------------------------------------------------ verdicts (fast, math-verify's outcome by hand)
+CORRECT, WRONG, UNPARSED = MathCheck("correct"), MathCheck("wrong"), MathCheck("unparsed")
+
+
+def verdict(response, gold, check=None, reward_type="boxed", needs_format=False):
+    """The record of ``response``; ``check`` is math-verify's outcome, None when the answer must be decided
+    without it (a pending answer then fails the test, as does a decided one that was given a check)."""
+    prepared = prepare_answer(response, {"gt_answer": gold}, EXTRACTORS[reward_type], needs_format)
+    if check is None:
+        assert prepared.record is not None, f"{response!r} vs {gold!r} was left for math-verify"
+        return prepared.record
+    assert prepared.record is None, f"{response!r} vs {gold!r} was decided without math-verify: {prepared.record}"
+    assert (prepared.answer, prepared.gold) == (EXTRACTORS[reward_type](response).answer, gold)
+    return finish_answer(prepared, check, needs_format)
+
+
+VERDICTS = [
+    # (response, gold, math-verify's outcome or None if never asked, reward, status)
+    pytest.param(r"so the answer is \boxed{13}", "13", None, 1.0, "ok", id="equal"),
+    pytest.param(r"\boxed{\text{13}}", "13", None, 1.0, "ok", id="equal_after_normalising"),
+    pytest.param(r"\boxed{$10$}", "10", None, 1.0, "ok", id="delimiters"),
+    pytest.param(r"\boxed{10.}", "10", None, 1.0, "ok", id="full_stop"),
+    pytest.param(r"\boxed{10}", r"\boxed{10}", None, 1.0, "ok", id="boxed_gold"),
+    pytest.param(r"\boxed{10}", "1", WRONG, 0.0, "ok", id="10_is_not_1"),
+    pytest.param(r"\boxed{100}", "10", WRONG, 0.0, "ok", id="100_is_not_10"),
+    pytest.param(r"\boxed{1}", "100", WRONG, 0.0, "ok", id="1_is_not_100"),
+    pytest.param(r"\boxed{14}", "13", WRONG, 0.0, "ok", id="wrong"),
+    pytest.param(r"\boxed{\frac{1}{2}}", "0.5", CORRECT, 1.0, "ok", id="equivalent"),
+    pytest.param(r"\boxed{3} or maybe \boxed{4}", "3", None, 0.0, "ambiguous_answer", id="two_answers"),
+    pytest.param(r"\boxed{10} no, \boxed{1}", "1", None, 0.0, "ambiguous_answer", id="10_then_1"),
+    pytest.param(r"\boxed{3} so again \boxed{3}", "3", None, 1.0, "ok", id="one_answer_twice"),
+    pytest.param(r"\boxed{3 \text{ or } 4}", "3", None, 0.0, "ambiguous_answer", id="hedged"),
+    pytest.param("the answer is 13", "13", None, 0.0, "format_error", id="no_box"),
+    pytest.param(r"\boxed{North-East}", "north-east", UNPARSED, 1.0, "string_fallback", id="fallback_equal"),
+    pytest.param(r"\boxed{North-West}", "north-east", UNPARSED, 0.0, "string_fallback", id="fallback_differs"),
+    pytest.param(r"\boxed{10}", "1", UNPARSED, 0.0, "string_fallback", id="fallback_10_is_not_1"),
+    pytest.param(r"\boxed{90^\circ}", "90", UNPARSED, 1.0, "string_fallback", id="fallback_degrees"),
+    pytest.param(r"\boxed{10^{10^{10}}}", "1", MathCheck("timeout", "5s"), 0.0, "timeout", id="timeout"),
+    pytest.param(r"\boxed{2}", "2.0", MathCheck("error", "crashed"), 0.0, "infra_error", id="verifier_error"),
+]
+
+
+@pytest.mark.parametrize(("response", "gold", "check", "reward", "status"), VERDICTS)
+def test_boxed_verdicts(response, gold, check, reward, status):
+    record = verdict(response, gold, check)
+    assert (record.reward, record.status) == (reward, status), record
+    assert record.answer_ok == (reward == 1.0)
+    assert record.format_ok == (status not in ("format_error", "infra_error"))
+
+
+def test_a_row_without_gold_is_an_infra_error_never_a_pass():
+    for row in ({"question": "no gold"}, {"gt_answer": ""}, {"gt_answer": [1]}):
+        record = prepare_answer(r"\boxed{1}", row, EXTRACTORS["boxed"], False).record
+        assert (record.reward, record.status) == (0.0, "infra_error")
+
+
+def test_tagged_verdicts_need_the_shape_for_reward():
+    shaped, unshaped = "<think>half</think><answer>1/2</answer>", "I think <answer>1/2</answer>"
+    for needs_format, rewards in ((True, (1.0, 0.0)), (False, (1.0, 1.0))):
+        for response, reward in zip((shaped, unshaped), rewards, strict=True):
+            prepared = prepare_answer(response, {"gt_answer": "0.5"}, EXTRACTORS["think_answer_tags"], needs_format)
+            record = finish_answer(prepared, CORRECT, needs_format)
+            assert (record.reward, record.answer_ok) == (reward, True), (response, needs_format)
+    record = verdict(unshaped, "1/2", reward_type="think_answer_tags", needs_format=True)
+    assert (record.reward, record.answer_ok, record.status) == (0.0, True, "format_error")
+    record = verdict("<think>x</think><answer>10</answer>", "1", WRONG, "think_answer_tags", True)
+    assert (record.reward, record.answer_ok, record.format_ok) == (0.0, False, True)
+
+
 # ------------------------------------------------------------------ scoring through the worker pool
 @pytest.fixture(scope="module")
 def boxed_scorer():
@@ -60,6 +181,8 @@ BOXED_CASES = [
     # (response, gold, reward)
     (r"so the answer is \boxed{13}", "13", 1.0),
     (r"\boxed{14}", "13", 0.0),
+    (r"\boxed{10}", "1", 0.0),
+    (r"\boxed{100}", "10", 0.0),
     (r"\boxed{\text{13}}", "13", 1.0),
     (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
     (r"\boxed{1/2}", r"\frac12", 1.0),
