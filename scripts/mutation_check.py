@@ -236,6 +236,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/unit/test_vision.py::test_a_vision_step_on_a_second_device_equals_the_host_run[packed]",),
     ),
     Mutation(
+        name="crash_after_right_output_passes",
+        why="a program that prints the right answer and then exits non-zero scores passed (reward hacking)",
+        path="reward/code_tests.py",
+        old="    if result.exit_code != 0:\n",
+        new="    if result.exit_code != 0 and not result.stdout.strip():\n",
+        tests=(
+            "tests/unit/test_reward_code.py::test_stdin_verdict[right_output_then_crash]",
+            "tests/unit/test_reward_code.py::test_stdin_verdict[right_output_then_killed]",
+            "tests/unit/test_reward_code.py::test_call_verdict[right_value_then_crash]",
+            "tests/unit/test_reward_code.py::test_call_verdict[forged_marker_then_killed]",
+            "tests/unit/test_reward_code.py::test_a_program_that_prints_the_right_answers_then_crashes_scores_zero",
+            "tests/unit/test_reward_code.py::test_right_output_then_a_crash_scores_zero",
+        ),
+    ),
+    Mutation(
         name="math_normalisation_strips_zeros",
         why='answer normalisation strips trailing zeros with the full stop: "10", "100" and "1" become equal',
         path="reward/extract.py",
