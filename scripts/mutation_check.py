@@ -266,6 +266,22 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_reward_math.py::test_boxed_answers",
         ),
     ),
+    Mutation(
+        name="pi_old_recomputed_every_epoch",
+        why="pi_old is recomputed at the current weights for every --ppo-epochs pass, not once at the round's start",
+        path="colossal_rl/training/trainer.py",
+        old="""        with self.phases.record("old_logprobs"):
+            steps = self._with_old_logprobs(steps)
+        metrics = []
+        for epoch in range(self.config.train.ppo_epochs):
+""",
+        new="""        metrics = []
+        for epoch in range(self.config.train.ppo_epochs):
+            with self.phases.record("old_logprobs"):
+                steps = self._with_old_logprobs(steps)
+""",
+        tests=("tests/unit/test_trainer_old_logprobs.py::test_every_ppo_epoch_uses_the_round_start_policy_as_pi_old",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

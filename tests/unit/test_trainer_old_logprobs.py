@@ -7,6 +7,8 @@ detached (ratio 1: nothing clips). The round-level tests run a real trainer (wor
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from trainer_harness import make_batch, make_config, make_trainer
@@ -150,6 +152,48 @@ def test_ppo_epochs_pass_twice_with_the_round_start_as_pi_old():
     second_pass = sorted(tuple(b.prompt_ids[::4, -1].tolist()) for _, b in metrics[2:])
     first_pass = sorted(tuple(b.prompt_ids[::4, -1].tolist()) for _, b in metrics[:2])
     assert sorted(sum(second_pass, ())) == sorted(sum(first_pass, ()))  # the same groups, re-dealt
+
+
+def _sample_key(behaviour_logprobs_row: torch.Tensor) -> tuple[float, ...]:
+    """make_batch's behaviour log-probs are random floats: they name a sample in any step it is re-dealt to."""
+    return tuple(behaviour_logprobs_row.tolist())
+
+
+def test_every_ppo_epoch_uses_the_round_start_policy_as_pi_old():
+    """Not only ratio != 1: pi_old of every sample, in every step of every pass, equals the log-probs of the
+    policy the round started from, as the objective receives them (recomputing pi_old at the current weights
+    for a later pass also gives ratios != 1)."""
+    trainer = make_trainer(make_config(train={"learning_rate": 1e-2, "ppo_epochs": 2}))
+    steps = [make_batch(seed=s) for s in range(2)]
+    trainer.model.train()  # as train_round takes pi_old
+    round_start = {}
+    for batch in steps:
+        logprobs = trainer.logprobs_no_grad(trainer.model, batch)
+        for row in range(batch.num_samples):
+            round_start[_sample_key(batch.behaviour_logprobs[row])] = (logprobs[row], batch.response_mask[row].bool())
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    objective = trainer.objective
+
+    def recording(**inputs):
+        seen.append((inputs["behaviour_logprobs"].detach().cpu(), inputs["old_logprobs"].detach().cpu()))
+        return objective.loss(**inputs)
+
+    trainer.objective = dataclasses.replace(objective, loss=recording)
+    metrics = trainer.train_round(steps, round_index=3)
+
+    assert [m["train/epoch"] for m, _ in metrics] == [0.0, 0.0, 1.0, 1.0]
+    checked = {}
+    for behaviour, old in seen:
+        for row in range(behaviour.shape[0]):
+            key = _sample_key(behaviour[row])
+            start, mask = round_start[key]
+            torch.testing.assert_close(old[row][mask], start[mask])
+            checked[key] = checked.get(key, 0) + 1
+    assert sorted(checked.values()) == [2] * len(round_start), "every sample trained once per pass"
+    after = trainer.logprobs_no_grad(trainer.model, steps[1])
+    start = torch.stack([round_start[_sample_key(row)][0] for row in steps[1].behaviour_logprobs])
+    mask = steps[1].response_mask.bool()
+    assert (after - start)[mask].abs().max() > 1e-3, "the round moved the policy: a later pi_old would differ"
 
 
 def test_epoch_permutation_depends_only_on_seed_round_and_epoch():
