@@ -282,6 +282,39 @@ MUTATIONS: tuple[Mutation, ...] = (
 """,
         tests=("tests/unit/test_trainer_old_logprobs.py::test_every_ppo_epoch_uses_the_round_start_policy_as_pi_old",),
     ),
+    Mutation(
+        name="batch_std_counts_invalid_samples",
+        why="reinforce_ppb_sample's batch std divides by every sample, masked-out ones too (only zeros were tested)",
+        path="colossal_rl/algorithms/advantages.py",
+        old="    batch_count = valid.sum().float().view(1, 1)\n",
+        new="    batch_count = torch.full((1, 1), float(valid.numel()))\n",
+        tests=(
+            "tests/unit/test_advantages.py::test_reinforce_ppb_sample_valid_mask_hand_computed",
+            "tests/unit/test_advantages.py::test_an_invalid_group_is_as_if_removed_from_the_batch[reinforce_ppb_sample]",
+        ),
+    ),
+    Mutation(
+        name="batch_mean_counts_invalid_samples",
+        why="reinforce's batch-mean baseline includes masked-out rewards (they still get advantage 0)",
+        path="colossal_rl/algorithms/advantages.py",
+        old="    grouped, valid = _grouped(rewards, max(rewards.numel(), 1), valid_mask)\n"
+        "    centered, _ = _center(grouped, valid)\n",
+        new="    grouped, valid = _grouped(rewards, max(rewards.numel(), 1), valid_mask)\n"
+        "    centered = torch.where(valid, grouped - grouped.mean(), 0.0)\n",
+        tests=(
+            "tests/unit/test_advantages.py::test_reinforce_valid_mask_hand_computed",
+            "tests/unit/test_advantages.py::test_an_invalid_group_is_as_if_removed_from_the_batch[reinforce]",
+            "tests/unit/test_advantages.py::test_rewards_and_lengths_of_invalid_samples_change_nothing[reinforce]",
+        ),
+    ),
+    Mutation(
+        name="dynamic_sampling_counts_invalid_correct",
+        why="dynamic sampling's group accuracy counts the correct answers of masked-out samples",
+        path="colossal_rl/algorithms/filters.py",
+        old="    accuracy = (correct * valid).sum(-1) / count.clamp(min=1)\n",
+        new="    accuracy = correct.sum(-1) / count.clamp(min=1)\n",
+        tests=("tests/unit/test_filters.py::test_dynamic_sampling_accuracy_over_valid_samples_hand_computed",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -152,6 +152,48 @@ def test_valid_mask_excludes_samples_from_statistics_and_advantages():
     assert_close(changed, advantages)
 
 
+def test_reinforce_valid_mask_hand_computed():
+    # the batch mean is over the valid rewards [1, 0, 1]: 2/3 (over all four it would be 5/4)
+    valid = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    advantages = reinforce_advantages(torch.tensor([1.0, 0.0, 3.0, 1.0]), group_size=2, eps=1e-6, valid_mask=valid)
+    assert_close(advantages, torch.tensor([1 / 3, -2 / 3, 0.0, 1 / 3]))
+
+
+def test_reinforce_ppb_sample_valid_mask_hand_computed():
+    # group-centred valid a = [0.5, -0.5, 1, -1]; the batch std is over these 4 (unbiased: sqrt(2.5 / 3)),
+    # not over all 6 samples (sqrt(2.5 / 5)), though the invalid group's centred values are 0 too
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0, 9.0, 4.0])
+    valid = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    advantages = reinforce_ppb_sample_advantages(rewards, group_size=2, eps=0.0, valid_mask=valid)
+    assert_close(advantages, torch.tensor([0.5, -0.5, 1.0, -1.0, 0.0, 0.0]) / (2.5 / 3) ** 0.5)
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
+def test_an_invalid_group_is_as_if_removed_from_the_batch(name):
+    """Values, not only zeros: the valid groups' advantages equal those of the batch without the invalid group,
+    for the batch-level estimators (reinforce, reinforce_ppb, reinforce_ppb_sample) too."""
+    rewards, lengths, _ = _random_rollout(0)
+    valid = torch.ones(len(rewards), dtype=torch.bool)
+    valid[8:12] = False  # group 2 of 6
+    kept = valid.nonzero().flatten()
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    advantages = estimator(rewards, 4, 1e-6, valid_mask=valid, response_lengths=lengths)
+    without = estimator(rewards[kept], 4, 1e-6, response_lengths=lengths[kept])
+    assert_close(advantages[kept], without)
+    assert torch.all(advantages[~valid] == 0)
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
+def test_rewards_and_lengths_of_invalid_samples_change_nothing(name):
+    rewards, lengths, _ = _random_rollout(1)
+    valid = torch.ones(len(rewards), dtype=torch.bool)
+    valid[[1, 6, 13, 22]] = False  # every group keeps three valid samples
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    advantages = estimator(rewards, 4, 1e-6, valid_mask=valid, response_lengths=lengths)
+    noisy_rewards, noisy_lengths = torch.where(valid, rewards, 100.0), torch.where(valid, lengths, 1000)
+    assert torch.equal(estimator(noisy_rewards, 4, 1e-6, valid_mask=valid, response_lengths=noisy_lengths), advantages)
+
+
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
 def test_invalid_samples_get_exactly_zero(name):
     rewards = torch.randn(12, generator=torch.Generator().manual_seed(0))

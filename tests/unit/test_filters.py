@@ -27,6 +27,16 @@ def test_dynamic_sampling_counts_only_valid_samples():
         dynamic_sampling_group_mask(correct, 4, 0.01, 0.99)
 
 
+def test_dynamic_sampling_accuracy_over_valid_samples_hand_computed():
+    # group 0: valid samples 0, 2, 3 with one correct -> 1/3 (2/3 if the invalid correct sample counted,
+    # 1/4 if the invalid sample counted as a wrong one); group 1: valid 4, 5 both correct -> 1
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    valid = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    assert dynamic_sampling_group_mask(correct, 4, 0.3, 0.4, valid_mask=valid).tolist() == [True, False]
+    assert dynamic_sampling_group_mask(correct, 4, 0.9, 1.0, valid_mask=valid).tolist() == [False, True]
+    assert dynamic_sampling_group_mask(correct, 4, 0.3, 0.4).tolist() == [False, False]  # all valid: 1/2 and 1/2
+
+
 def test_filter_truncated_response():
     assert_close(filter_truncated_response(torch.tensor([True, False, True])), torch.tensor([0.0, 1.0, 0.0]))
 
