@@ -315,6 +315,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="    accuracy = correct.sum(-1) / count.clamp(min=1)\n",
         tests=("tests/unit/test_filters.py::test_dynamic_sampling_accuracy_over_valid_samples_hand_computed",),
     ),
+    Mutation(
+        name="tis_weights_clamped_below",
+        why="the truncated importance weight's cap also raises weights below 1 / cap (tests had weights >= 1 only)",
+        path="colossal_rl/algorithms/off_policy.py",
+        old="    return log_ratio.clamp(max=math.log(cap)).exp()\n",
+        new="    return log_ratio.clamp(-math.log(cap), math.log(cap)).exp()\n",
+        tests=(
+            "tests/unit/test_off_policy.py::test_truncated_importance_weights_below_one_are_not_raised",
+            "tests/unit/test_objective.py::test_truncated_importance_weights_scale_the_policy_loss",
+        ),
+    ),
+    Mutation(
+        name="k3_log_ratio_clamped_above_only",
+        why="k3's log-ratio clamp loses its lower side (+-20 documented; nothing tested either side)",
+        path="colossal_rl/algorithms/kl.py",
+        old="    log_ratio = (ref_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)\n",
+        new="    log_ratio = (ref_logprobs - logprobs).clamp(max=MAX_LOG_RATIO)\n",
+        tests=("tests/unit/test_losses.py::test_k3_clamps_the_log_ratio_on_both_sides",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -200,6 +200,22 @@ def test_kl_estimators_hand_computed():
     assert_close(kl_k3(logprobs, ref_logprobs), torch.tensor([[math.exp(-1.0) + 1.0 - 1.0, 0.0]]))
 
 
+def test_k3_clamps_the_log_ratio_on_both_sides():
+    # log ratio (ref - logp) of +-1000 is clamped to +-20 before exp: finite, and the documented value
+    logprobs, ref_logprobs = torch.tensor([0.0, 0.0, 0.0]), torch.tensor([1000.0, -1000.0, -19.0])
+    expected = [math.exp(20.0) - 20.0 - 1.0, math.exp(-20.0) + 20.0 - 1.0, math.exp(-19.0) + 19.0 - 1.0]
+    assert_close(kl_k3(logprobs, ref_logprobs), torch.tensor(expected))
+
+
+@pytest.mark.parametrize("loss_name", POLICY_LOSSES.names())
+def test_policy_loss_ratios_are_clamped_on_both_sides(loss_name):
+    # one-token responses, so the sequence ratio (GSPO) is the token ratio: log ratios +-50 -> exp(+-20); +-19 kept
+    old = torch.zeros(4, 1)
+    new = torch.tensor([[50.0], [-50.0], [19.0], [-19.0]])
+    out = POLICY_LOSSES.get(loss_name)(new, old, torch.ones(4), torch.ones(4, 1), **CLIP)
+    assert_close(out.ratio, torch.tensor([[20.0], [-20.0], [19.0], [-19.0]]).exp())
+
+
 def test_kl_estimators_are_unbiased_or_nonnegative():
     # samples x ~ p of two categoricals: k1 and k3 average to KL(p || q); k2 and k3 are never negative
     p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.4, 0.4, 0.2])

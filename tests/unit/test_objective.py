@@ -147,6 +147,10 @@ def test_truncated_importance_weights_scale_the_policy_loss():
     capped_loss, _, metrics = _objective(problem, replace(base, truncated_is_cap=2.0))
     assert_close(capped_loss, plain_loss * 2.0)
     assert metrics["off_policy/capped_fraction"] == 1
+    problem["behaviour_logprobs"] = problem["old_logprobs"] + 1.0  # exp(-1) < 1 / 2: below the cap, kept
+    small_loss, _, metrics = _objective(problem, replace(base, truncated_is_cap=2.0))
+    assert_close(small_loss, plain_loss * math.exp(-1.0))
+    assert metrics["off_policy/capped_fraction"] == 0
 
 
 def test_kl_term_is_added_with_its_coefficient():
