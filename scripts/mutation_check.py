@@ -290,7 +290,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="    batch_count = torch.full((1, 1), float(valid.numel()))\n",
         tests=(
             "tests/unit/test_advantages.py::test_reinforce_ppb_sample_valid_mask_hand_computed",
-            "tests/unit/test_advantages.py::test_an_invalid_group_is_as_if_removed_from_the_batch[reinforce_ppb_sample]",
+            "tests/unit/test_advantages.py::test_an_invalid_group_is_as_if_removed[reinforce_ppb_sample]",
         ),
     ),
     Mutation(
@@ -303,7 +303,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    centered = torch.where(valid, grouped - grouped.mean(), 0.0)\n",
         tests=(
             "tests/unit/test_advantages.py::test_reinforce_valid_mask_hand_computed",
-            "tests/unit/test_advantages.py::test_an_invalid_group_is_as_if_removed_from_the_batch[reinforce]",
+            "tests/unit/test_advantages.py::test_an_invalid_group_is_as_if_removed[reinforce]",
             "tests/unit/test_advantages.py::test_rewards_and_lengths_of_invalid_samples_change_nothing[reinforce]",
         ),
     ),
@@ -333,6 +333,27 @@ MUTATIONS: tuple[Mutation, ...] = (
         old="    log_ratio = (ref_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)\n",
         new="    log_ratio = (ref_logprobs - logprobs).clamp(max=MAX_LOG_RATIO)\n",
         tests=("tests/unit/test_losses.py::test_k3_clamps_the_log_ratio_on_both_sides",),
+    ),
+    Mutation(
+        name="checkpoint_hash_checked_for_trainer_files_only",
+        why="resume compares sha256 only for trainer/ files: a same-size corrupted HF export, state or buffer loads",
+        path="colossal_rl/run_checkpoint.py",
+        old="        if file_digest(file) != sha256:\n",
+        new='        if name.startswith("trainer/") and file_digest(file) != sha256:\n',
+        tests=(
+            "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[hf/model.safetensors]",
+            "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[hf/config.json]",
+            "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[state.json]",
+            "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[buffer.pt]",
+        ),
+    ),
+    Mutation(
+        name="checkpoint_digest_of_the_first_chunk_only",
+        why="a checkpoint file's sha256 covers only its first 8 MB chunk: damage further into a shard goes unseen",
+        path="colossal_rl/run_checkpoint.py",
+        old="        while chunk := handle.read(_HASH_CHUNK):\n",
+        new="        if chunk := handle.read(_HASH_CHUNK):\n",
+        tests=("tests/unit/test_checkpoint_verification.py::test_a_flipped_byte_past_the_first_hash_chunk_is_caught",),
     ),
 )
 

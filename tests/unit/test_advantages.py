@@ -169,7 +169,7 @@ def test_reinforce_ppb_sample_valid_mask_hand_computed():
 
 
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
-def test_an_invalid_group_is_as_if_removed_from_the_batch(name):
+def test_an_invalid_group_is_as_if_removed(name):
     """Values, not only zeros: the valid groups' advantages equal those of the batch without the invalid group,
     for the batch-level estimators (reinforce, reinforce_ppb, reinforce_ppb_sample) too."""
     rewards, lengths, _ = _random_rollout(0)

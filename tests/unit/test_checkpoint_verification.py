@@ -4,6 +4,7 @@ one line (or skipped with ``--resume-fallback``); the ``FAILED`` marker of a run
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -80,13 +81,34 @@ def test_a_truncated_file_is_named_before_anything_loads(tmp_path, name):
     assert one_line_error(checkpoint).startswith(f"{checkpoint}: {name}: "), "a checkpoint named directly too"
 
 
-def test_a_flipped_byte_of_the_same_size_is_caught_by_the_hash(tmp_path):
+def flip_byte(path: Path, index: int) -> None:
+    """Damage that keeps the size: only the hash can see it."""
+    data = bytearray(path.read_bytes())
+    data[index] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", [*FILES, ckpt.STATE_FILE, ckpt.BUFFER_FILE])
+def test_a_flip_is_caught_by_the_hash(tmp_path, name):
+    """Every kind of file the manifest covers: shards, index files, scheduler and RNG state, the HF export, the
+    driver's state and the buffer."""
     checkpoint = save(tmp_path / "checkpoints", 2)
-    shard = checkpoint / "trainer/optimizer/pytorch_optim-00001.bin"
-    data = bytearray(shard.read_bytes())
-    data[1234] ^= 0x01
-    shard.write_bytes(bytes(data))
-    assert "trainer/optimizer/pytorch_optim-00001.bin: content differs" in one_line_error(tmp_path)
+    size = (checkpoint / name).stat().st_size
+    flip_byte(checkpoint / name, size // 2)
+    assert (checkpoint / name).stat().st_size == size
+    assert one_line_error(tmp_path).startswith(f"{checkpoint}: {name}: content differs from the manifest's sha256")
+
+
+def test_a_flipped_byte_past_the_first_hash_chunk_is_caught(tmp_path, monkeypatch):
+    """Shards are hashed in chunks (they can be many GB): the last chunk counts as much as the first."""
+    monkeypatch.setattr(ckpt, "_HASH_CHUNK", 1024)
+    shard = tmp_path / "shard.bin"
+    shard.write_bytes(bytes(range(256)) * 16)  # 4 chunks
+    assert ckpt.file_digest(shard) == hashlib.sha256(shard.read_bytes()).hexdigest()
+    checkpoint = save(tmp_path / "checkpoints", 2)
+    name = "trainer/model/pytorch_model-00001.bin"  # 4000 bytes: 4 chunks of at most 1024
+    flip_byte(checkpoint / name, 3999)
+    assert one_line_error(tmp_path).startswith(f"{checkpoint}: {name}: content differs")
 
 
 def test_a_deleted_file_is_named(tmp_path):
