@@ -128,6 +128,22 @@ def test_shm_receiver_waits_for_a_newer_version_and_times_out_naming_the_region(
     sender.close()
 
 
+def test_shm_receiver_refuses_a_version_written_for_another_layout(region: str):
+    """The plan checksum in each slot's stamp is checked, not just that the bytes fit: a sender recreating the
+    region with another layout of the same size (a tensor renamed) is refused, never read as this layout."""
+    sender = SharedMemorySender(region, WeightLayout.from_state_dict(state_dict(0.0)), timeout_s=5)
+    receiver = SharedMemoryReceiver(region, timeout_s=5)
+    renamed = {name.replace("layer.", "block."): tensor for name, tensor in state_dict(0.0).items()}
+    other = SharedMemorySender(region, WeightLayout.from_state_dict(renamed), timeout_s=5)
+    assert other.slot_bytes == sender.slot_bytes and other.checksum != receiver.checksum
+    other.send({name: torch.full_like(tensor, 2.0) for name, tensor in renamed.items()}, 1)
+    with pytest.raises(RuntimeError, match=f"{region}: plan checksum {other.checksum} differs"):
+        receiver.receive()
+    receiver.close()
+    other.close()
+    sender.close()
+
+
 def test_shm_receiver_without_a_sender_times_out_naming_the_region(region: str):
     with pytest.raises(TimeoutError, match=f"{region}: no sender"):
         SharedMemoryReceiver(region, timeout_s=0.1)
