@@ -139,7 +139,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         name="producer_loads_stale_weights",
         why="a producer loads a weights version that is not newer than the one it holds",
         path="colossal_rl/rollout/producer.py",
-        old="        if version <= self.policy_version:\n",
+        old="        if policy_version <= self.policy_version:\n",
         new="        if False:\n",
         tests=("tests/unit/test_producer_weights.py::test_load_weights_refuses_a_version_that_is_not_newer",),
     ),
