@@ -93,18 +93,8 @@ def _check_attention(args: argparse.Namespace) -> None:
 
 
 def _check_backend(args: argparse.Namespace) -> None:
-    """-b vllm needs vLLM installed (checked without importing it); -ptp > 1 needs -b vllm."""
-    if args.backend == "vllm":
-        from colossal_rl.rollout.backend import VLLM_MISSING, vllm_installed
-
-        if not vllm_installed():
-            raise UsageError(VLLM_MISSING)
-        from colossal_rl.rollout.vllm_weights import installed_vllm_version, untested_version_warning
-
-        version = installed_vllm_version()
-        if version is not None and (warning := untested_version_warning(version)) is not None:
-            logger.warning("%s", warning)
-    elif args.producer_tensor_parallel_size > 1:
+    """-ptp > 1 needs -b vllm. (-b vllm's own environment is found or built when the run starts.)"""
+    if args.backend != "vllm" and args.producer_tensor_parallel_size > 1:
         raise UsageError("-ptp/--producer-tensor-parallel-size > 1 needs -b vllm (tensor-parallel producers)")
 
 
@@ -186,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from colossal_rl.input_checks import InputError
     from colossal_rl.launch import run_training
     from colossal_rl.placement import PlacementError
+    from colossal_rl.producer_env import ProducerEnvError
     from colossal_rl.run_checkpoint import CheckpointError
     from colossal_rl.run_outputs import OutputDirError
 
@@ -197,7 +188,16 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(config_to_yaml(config))
             return 0
         summary = run_training(config, use_wandb=not args.no_wandb)
-    except (UsageError, InputError, DataError, RunFailed, CheckpointError, OutputDirError, PlacementError) as error:
+    except (
+        UsageError,
+        InputError,
+        DataError,
+        RunFailed,
+        CheckpointError,
+        OutputDirError,
+        PlacementError,
+        ProducerEnvError,
+    ) as error:
         logger.error("%s", error)
         return 2
     except KeyboardInterrupt:

@@ -196,6 +196,7 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
     """Create the run's buffer, producers and trainers where the placement puts them (not waiting for them)."""
     from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor
     from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port
+    from colossal_rl.producer_env import producer_runtime_env
 
     sched, par = config.schedule, config.parallel
     producer_threads, trainer_threads = threads_per_actor(
@@ -222,12 +223,17 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
         )
         for rank in range(par.num_trainers)
     )
+    # vLLM producers run in their own Python environment (colossal_rl/producer_env.py); a restart reuses it.
+    producer_env = producer_runtime_env(config.generation.backend)
     producers = ProducerGroup(
         # A producer that dies is restarted by Ray (constructor again, same arguments); its calls in flight fail
         # and the driver re-issues them once it has its weights back (launch.Driver._recover_producers).
         ProducerActor.options(
-            **placement.producers[rank], max_restarts=config.run.max_actor_restarts, max_task_retries=0
-        ).remote(rank, config, producer_threads)
+            **placement.producers[rank],
+            max_restarts=config.run.max_actor_restarts,
+            max_task_retries=0,
+            **producer_env,
+        ).remote(rank, config, producer_threads)  # fmt: skip
         for rank in range(sched.num_producers)
     )
     return buffer, producers, trainers

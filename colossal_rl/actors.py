@@ -261,6 +261,9 @@ class ProducerActor:
         self.producer.reward_scorer.close()
         for receiver in self.receivers:
             receiver.close()
+        close_engine = getattr(self.producer.backend, "close", None)
+        if close_engine is not None:  # vLLM: its engine core and workers are processes of their own
+            close_engine()
 
 
 @ray.remote

@@ -78,7 +78,12 @@ def init_ray(config: RLConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    env = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    env = {
+        "RAY_AUTH_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+        "NCCL_CUMEM_ENABLE": "0",
+    }  # fmt: skip  (vLLM sets 0 in the producers: NCCL peers must agree)
     runtime_env = {"env_vars": env}
     if config.run.master_address:
         from colossal_rl.placement import ray_address
@@ -468,6 +473,7 @@ def make_run_dir(config: RLConfig) -> Path:
 def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     """Train with ``config`` (validated here, with its inputs) and return what happened; Ray is started if needed."""
     from colossal_rl.input_checks import check_inputs
+    from colossal_rl.producer_env import ensure_producer_env
 
     startup = PhaseRecorder()
     startup.add("python+flags", process_started_at(), time.time())
@@ -488,6 +494,9 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     logger.info(
         "run directory: %s (%d rounds, %d optimizer steps per round)", run_dir, rounds, config.optimizer_steps_per_round
     )
+    if config.generation.backend == "vllm":
+        with startup.record("producer env"):  # built once (minutes), found again in milliseconds
+            ensure_producer_env()
     started_ray = not ray.is_initialized()
     with startup.record("ray start"):
         init_ray(config)

@@ -4,7 +4,7 @@ The alternative to the torch ``StandaloneGroup`` (``process_group.py``); ``trans
 between them. Written for GPU machines, not run on a GPU: everything up to the calls into
 ``ray.util.collective`` and the CUDA runtime is unit-tested on CPU with fakes of those two.
 
-What the pinned Ray 2.40.0 offers (read in ``ray/util/collective/`` of the installed wheel):
+What the pinned Ray offers (read in ``ray/util/collective/`` of the installed wheel):
 
 - Built on cupy, independent of torch.distributed. ``collective_group/nccl_collective_group.py``
   ``NCCLGroup`` drives ``cupy.cuda.nccl.NcclCommunicator`` (``nccl_util.create_nccl_communicator``);

@@ -85,14 +85,18 @@ class InferenceBackend(Protocol):
         """The weights the engine currently holds (for checks and tests)."""
         ...
 
+    def base_weights(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """The model's own (pre-training) weights ``names``, unsharded: what LoRA's adapters are merged into."""
+        ...
+
 
 class BackendUnavailableError(RuntimeError):
     """The requested backend's packages are not installed."""
 
 
 VLLM_MISSING = (
-    '-b vllm needs vLLM, which is not installed: on a machine with NVIDIA GPUs run pip install -e ".[gpu]" '
-    "(vLLM 0.7.3); or use -b transformers"
+    "-b vllm runs in the producers' own environment (python -m colossal_rl.producer_env build), and vLLM is not "
+    "installed in this Python: start the producers through Ray (rl_example.py does), or use -b transformers"
 )
 
 

@@ -220,12 +220,12 @@ class Producer:
 
     def _merge_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With LoRA the sync carries only adapters: the merged weights W0 + (alpha / r) B A of the layers they
-        adapt, W0 being this producer's base weights (copied from the engine at the first sync)."""
+        adapt, W0 being the model's base weights (read once, at the first sync)."""
         from colossal_rl.training.lora import base_name, lora_scaling, merge_adapters
 
         if self._lora_base is None:
             targets = {base_name(key) for key in adapters}
-            self._lora_base = {name: t for name, t in self.backend.named_weights().items() if name in targets}
+            self._lora_base = self.backend.base_weights(targets)
         return merge_adapters(self._lora_base, adapters, lora_scaling(self.config.train))
 
     # ------------------------------------------------------------------ evaluation

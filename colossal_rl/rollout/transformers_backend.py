@@ -157,3 +157,7 @@ class TransformersBackend:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def base_weights(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """Called before the first sync, while the model still holds its own weights."""
+        return {name: tensor for name, tensor in self.named_weights().items() if name in names}

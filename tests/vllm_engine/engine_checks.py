@@ -1,0 +1,85 @@
+"""Run by ``test_vllm_engine.py`` inside the producers' environment (real vLLM, its own torch): drive ``VllmBackend``
+on CPU and write what it returned as JSON, for the trainers' environment to check against its own forward.
+
+    <producer python> engine_checks.py request.json result.json
+
+Per case: start the engine (or record the one-line start failure), generate sampled, greedy and stop-string rows,
+load the weights file given (the "sync"), generate again with the same seeds, and read the weights back.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def output_to_json(output) -> dict:
+    return {
+        "prompt_ids": output.prompt_ids.tolist(),
+        "prompt_mask": output.prompt_mask.tolist(),
+        "response_ids": output.response_ids.tolist(),
+        "response_mask": output.response_mask.tolist(),
+        "behaviour_logprobs": output.behaviour_logprobs.tolist(),
+        "truncated": output.truncated.tolist(),
+        "responses": list(output.responses),
+    }
+
+
+def generate_all(backend, case: dict) -> dict:
+    import torch
+
+    from colossal_rl.rollout.backend import SamplingSettings
+
+    prompts, new = case["prompts"], case["max_new_tokens"]
+    torch.manual_seed(0)
+    sampled = backend.generate(prompts, 4, SamplingSettings(temperature=case["temperature"], max_new_tokens=new))
+    greedy = backend.generate(prompts, 2, SamplingSettings(temperature=1.0, greedy=True, max_new_tokens=new))
+    torch.manual_seed(0)
+    stops = SamplingSettings(temperature=1.0, max_new_tokens=new, stop_strings=tuple(case["stop_strings"]))
+    stopped = backend.generate(prompts, 4, stops)
+    return {"sampled": output_to_json(sampled), "greedy": output_to_json(greedy), "stopped": output_to_json(stopped)}
+
+
+def run_case(case: dict) -> dict:
+    from safetensors.torch import load_file
+
+    from colossal_rl.config import VllmEngineConfig
+    from colossal_rl.rollout.vllm_backend import VllmBackend
+
+    started = time.perf_counter()
+    try:
+        backend = VllmBackend(case["model"], seed=0, dtype="float32", engine=VllmEngineConfig(max_model_len=128),
+                              tensor_parallel_size=case.get("tensor_parallel_size", 1))  # fmt: skip
+    except Exception as error:  # what a user would see: the one line the backend raises
+        return {"start_error": str(error)}
+    result = {"start_s": time.perf_counter() - started, "before": generate_all(backend, case)}
+    if case.get("weights"):
+        weights = load_file(case["weights"])
+        started = time.perf_counter()
+        backend.load_weights(weights)
+        result["load_s"] = time.perf_counter() - started
+        result["after"] = generate_all(backend, case)
+        try:
+            backend.named_weights()
+            result["read_back"] = "read"
+        except Exception as error:
+            result["read_back"] = str(error)
+        if case.get("lora_names"):
+            base = backend.base_weights(set(case["lora_names"]))
+            result["lora_base_names"] = sorted(base)
+    backend.close()
+    return result
+
+
+def main(request_path: str, result_path: str) -> int:
+    with open(request_path) as handle:
+        request = json.load(handle)
+    results = {case["name"]: run_case(case) for case in request["cases"]}
+    with open(result_path, "w") as handle:
+        json.dump(results, handle)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's engine core is spawned: the work must not run on import
+    sys.exit(main(sys.argv[1], sys.argv[2]))
