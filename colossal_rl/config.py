@@ -24,6 +24,8 @@ EMBEDDED_SHAPES_TRAIN_DATA = ASSETS_DIR / "shapes" / "train.jsonl"
 EMBEDDED_SHAPES_EVAL_DATA = ASSETS_DIR / "shapes" / "eval.jsonl"
 
 Precision = Literal["fp32", "bf16", "fp16"]
+PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
+"""``parallel.precision`` as configured: a precision, or ``auto`` (follow the trainers' device)."""
 LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardType = Literal["boxed", "think_answer_tags", "code"]
@@ -382,8 +384,10 @@ class ParallelConfig:
     """Pipeline-parallel size of the consumers."""
     zero_stage: int = 0
     """ZeRO stage of the consumers (0, 1 or 2)."""
-    precision: Precision = "fp32"
-    """Training precision of the consumers."""
+    precision: PrecisionChoice = "auto"
+    """Training precision of the consumers. ``auto``: bf16 when the trainers run on GPUs, fp32 on CPU
+    (:func:`resolve_precision`); the driver resolves it once it sees the Ray cluster's GPUs and logs it, and the
+    run directory's ``config.yaml`` holds the resolved value (a resume keeps the checkpoint's)."""
 
     @property
     def dp_size(self) -> int:
@@ -399,6 +403,11 @@ class ParallelConfig:
             f"{self.num_trainers} trainers are not divisible by tp*pp = {self.tp_size * self.pp_size}",
         )
         _require(self.zero_stage in (0, 1, 2), "parallel.zero_stage", "must be 0, 1 or 2")
+        _require(
+            self.precision in ("auto", "fp32", "bf16", "fp16"),
+            "parallel.precision",
+            f"must be auto, fp32, bf16 or fp16, got {self.precision!r}",
+        )
         if self.tp_size > 1 or self.pp_size > 1:  # ColossalAI's HybridParallelPlugin trains these layouts
             _require(
                 self.zero_stage == 0 or self.precision != "fp32",
@@ -574,6 +583,12 @@ class RLConfig:
         self.data.validate()
         self._validate_batch_arithmetic()
         _require(
+            not (self.train.attn_implementation == "flash_attention_2" and self.parallel.precision == "fp32"),
+            "train.attn_implementation",
+            "flash_attention_2 runs in bf16 or fp16 only, and the training precision is fp32: use --precision bf16 "
+            "(auto's choice on GPUs), or sdpa",
+        )
+        _require(
             self.train.lora_rank == 0 or (self.parallel.tp_size == 1 and self.parallel.pp_size == 1),
             "train.lora_rank",
             "LoRA adapters train under DDP and ZeRO only: peft's adapters are not sharded by ColossalAI's tensor "
@@ -647,6 +662,30 @@ class RLConfig:
             f"{global_prompts} must be divisible by dp_size*train_batch_size = {par.dp_size}*{train.batch_size} "
             f"= {per_step}",
         )
+
+
+def resolve_precision(precision: PrecisionChoice, *, on_gpu: bool) -> Precision:
+    """``auto`` -> bf16 on GPUs (tensor-core speed, half the activation and weight memory; fp32 master weights
+    are kept by the mixed-precision plugins), fp32 on CPU (nothing to gain there, and runs match fp32 references
+    exactly); any other value is returned as is."""
+    if precision != "auto":
+        return precision
+    return "bf16" if on_gpu else "fp32"
+
+
+def with_device_precision(config: RLConfig, *, on_gpu: bool) -> RLConfig:
+    """``config`` with ``parallel.precision`` resolved for trainers on GPUs (``on_gpu``) or CPUs, validated again
+    (ZeRO with TP/PP and flash_attention_2 need a low precision)."""
+    precision = resolve_precision(config.parallel.precision, on_gpu=on_gpu)
+    if precision == config.parallel.precision:
+        return config
+    try:
+        return dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, precision=precision)
+        ).validate()
+    except ConfigError as error:
+        where = "the trainers run on GPUs" if on_gpu else "no GPUs: the trainers run on CPU"
+        raise ConfigError(error.field_path, f"{error.message} (precision auto is {precision}: {where})") from None
 
 
 def replace(config, **changes):

@@ -235,6 +235,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         new='        "pixel_values": torch.cat([v.pixel_values for v in present]).to(dtype=dtype),\n',
         tests=("tests/unit/test_vision.py::test_a_vision_step_on_a_second_device_equals_the_host_run[packed]",),
     ),
+    Mutation(
+        name="gpu_runs_default_to_fp32",
+        why="--precision auto resolves to fp32 on GPUs too (GPU runs train in fp32 unless told otherwise)",
+        path="colossal_rl/config.py",
+        old='    return "bf16" if on_gpu else "fp32"\n',
+        new='    return "fp32"\n',
+        tests=("tests/unit/test_precision_default.py::test_the_default_precision_is_bf16_on_gpus_and_fp32_on_cpu",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

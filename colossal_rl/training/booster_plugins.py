@@ -22,6 +22,7 @@ offered only in ``split_gather`` mode: ``ring`` mode produces wrong weight gradi
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import torch
@@ -29,16 +30,11 @@ import torch.distributed as dist
 from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
 from colossalai.interface import OptimizerWrapper
 
-from colossal_rl.config import ConfigError, ParallelConfig, Precision
+from colossal_rl.config import ConfigError, ParallelConfig, resolve_precision
 from colossal_rl.training.cpu_compat import apply_cpu_compat_patches
 
 # fp16 starts at 2**16: ColossalAI's ZeRO default of 2**32 overflows, skipping the first step.
 _FP16_INITIAL_SCALE = 2.0**16
-
-
-def default_precision(on_cpu: bool) -> Precision:
-    """fp32 on CPU (no bf16 tensor cores to gain from; results match fp32 references exactly), bf16 on GPU."""
-    return "fp32" if on_cpu else "bf16"
 
 
 def open_rendezvous_store(port: int, world_size: int, *, timeout_s: float = 600.0) -> dist.TCPStore:
@@ -91,7 +87,9 @@ def launch_colossalai(
 
 
 def make_plugin(parallel: ParallelConfig, *, microbatch_size: int, max_norm: float, on_cpu: bool) -> Plugin:
-    """The plugin for ``parallel`` (see the module docstring); ``microbatch_size`` is the train micro-batch."""
+    """The plugin for ``parallel`` (see the module docstring); ``microbatch_size`` is the train micro-batch.
+    ``--precision auto`` is the device's (bf16 on GPU, fp32 on CPU), as the driver resolves it."""
+    parallel = dataclasses.replace(parallel, precision=resolve_precision(parallel.precision, on_gpu=not on_cpu))
     parallel.validate()
     if parallel.tp_size > 1 or parallel.pp_size > 1:
         return make_hybrid_plugin(parallel, microbatch_size=microbatch_size, max_norm=max_norm, on_cpu=on_cpu)
