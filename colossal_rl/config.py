@@ -42,6 +42,13 @@ OBJECTIVE_NAMES: tuple[str, ...] = ("policy_gradient", "dpo")
 """The names of ``training.objective.OBJECTIVES`` (kept here so the config imports no torch; a test checks)."""
 
 
+PACKED_VISION_UNDER_FLASH_ATTENTION = (
+    "a vision-language model under flash_attention_2 cannot train packed: its flash-attention layer (Qwen2.5-VL, "
+    "transformers 4.51) passes no position_ids to flash-attention, so packed samples would attend to each other; "
+    "use --sequence-layout padded (auto's choice) or sdpa"
+)
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; ``field`` is the dotted config path (e.g. ``train.batch_size``)."""
 
@@ -565,13 +572,22 @@ class RLConfig:
 
     @property
     def sequence_layout(self) -> str:
-        """The training forward's layout: ``train.sequence_layout``, with ``auto`` resolved to padded under
-        pipeline parallelism, packed with flash_attention_2 (no 4D masks there), else shared_prompt."""
+        """The training forward's layout for a text model (:meth:`sequence_layout_for`)."""
+        return self.sequence_layout_for(vision_language=False)
+
+    def sequence_layout_for(self, *, vision_language: bool) -> str:
+        """``train.sequence_layout``, with ``auto`` resolved: padded under pipeline parallelism; under
+        flash_attention_2 (no 4D masks there) packed, but padded for a vision-language model — Qwen2.5-VL's
+        flash-attention layer (transformers 4.51) passes no position_ids to flash-attention, so samples packed
+        in a row would attend to each other, while padded's 2D mask takes flash-attention's unpadding path;
+        else shared_prompt. Packed itself is refused there (:func:`input_checks.check_images`)."""
         if self.train.sequence_layout != "auto":
             return self.train.sequence_layout
         if self.parallel.pp_size > 1:
             return "padded"
-        return "packed" if self.train.attn_implementation == "flash_attention_2" else "shared_prompt"
+        if self.train.attn_implementation == "flash_attention_2":
+            return "padded" if vision_language else "packed"
+        return "shared_prompt"
 
     def validate(self) -> RLConfig:
         self.generation.validate()

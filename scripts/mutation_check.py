@@ -243,6 +243,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         new='    return "fp32"\n',
         tests=("tests/unit/test_precision_default.py::test_the_default_precision_is_bf16_on_gpus_and_fp32_on_cpu",),
     ),
+    Mutation(
+        name="vision_packed_under_flash_attention",
+        why="auto packs a vision-language model's samples under flash_attention_2 (they attend to each other)",
+        path="colossal_rl/config.py",
+        old='            return "padded" if vision_language else "packed"\n',
+        new='            return "packed"\n',
+        tests=(
+            "tests/unit/test_vision_gpu_paths.py::test_auto_gives_a_vision_model_the_padded_layout_under_flash_attention",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
