@@ -253,6 +253,14 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_vision_gpu_paths.py::test_auto_gives_a_vision_model_the_padded_layout_under_flash_attention",
         ),
     ),
+    Mutation(
+        name="vision_bf16_on_the_hybrid_plugin",
+        why="a vision-language model in bf16 without ZeRO goes to HybridParallelPlugin (no ShardFormer policy)",
+        path="colossal_rl/training/booster_plugins.py",
+        old="    if vision_language:\n",
+        new="    if False:\n",
+        tests=("tests/unit/test_vision_gpu_paths.py::test_a_vision_model_in_bf16_without_zero_boosts_and_trains",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -7,7 +7,9 @@ layout                      plugin                       notes
 ==========================  ===========================  ============================================
 tp = pp = 1, zero 0, fp32   ``TorchDDPPlugin``           it has no mixed precision and never clips:
                                                          use :func:`clip_and_step`
-tp = pp = 1, zero 0, bf16   ``HybridParallelPlugin``     mixed precision with fp32 master weights
+tp = pp = 1, zero 0, bf16   ``HybridParallelPlugin``     mixed precision with fp32 master weights;
+                                                         ``LowLevelZeroPlugin`` stage 1 for a
+                                                         vision-language model (no ShardFormer policy)
 tp = pp = 1, zero 1/2       ``LowLevelZeroPlugin``       fp32 allowed
 tp > 1 or pp > 1            ``HybridParallelPlugin``     ZeRO only with bf16/fp16; ZeRO-2 not with pp
 ==========================  ===========================  ============================================
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,8 @@ from colossalai.interface import OptimizerWrapper
 
 from colossal_rl.config import ConfigError, ParallelConfig, resolve_precision
 from colossal_rl.training.cpu_compat import apply_cpu_compat_patches
+
+logger = logging.getLogger(__name__)
 
 # fp16 starts at 2**16: ColossalAI's ZeRO default of 2**32 overflows, skipping the first step.
 _FP16_INITIAL_SCALE = 2.0**16
@@ -86,9 +91,16 @@ def launch_colossalai(
         raise RuntimeError(f"expected a {backend} process group (on_cpu={on_cpu}), ColossalAI started {actual}")
 
 
-def make_plugin(parallel: ParallelConfig, *, microbatch_size: int, max_norm: float, on_cpu: bool) -> Plugin:
+def make_plugin(
+    parallel: ParallelConfig, *, microbatch_size: int, max_norm: float, on_cpu: bool, vision_language: bool = False
+) -> Plugin:
     """The plugin for ``parallel`` (see the module docstring); ``microbatch_size`` is the train micro-batch.
-    ``--precision auto`` is the device's (bf16 on GPU, fp32 on CPU), as the driver resolves it."""
+    ``--precision auto`` is the device's (bf16 on GPU, fp32 on CPU), as the driver resolves it.
+
+    ``vision_language``: the policy is a vision-language model, which ColossalAI 0.5.0's ShardFormer has no
+    policy for (``HybridParallelPlugin`` raises NotImplementedError at boost, even at tp = pp = 1); its mixed
+    precision without ZeRO then runs on ``LowLevelZeroPlugin`` stage 1 (the same mixed-precision arithmetic,
+    fp32 master weights, with the optimizer states sharded over the data-parallel ranks)."""
     parallel = dataclasses.replace(parallel, precision=resolve_precision(parallel.precision, on_gpu=not on_cpu))
     parallel.validate()
     if parallel.tp_size > 1 or parallel.pp_size > 1:
@@ -97,6 +109,11 @@ def make_plugin(parallel: ParallelConfig, *, microbatch_size: int, max_norm: flo
         return make_low_level_zero_plugin(parallel, max_norm=max_norm, on_cpu=on_cpu)
     if parallel.precision == "fp32":
         return TorchDDPPlugin()
+    if vision_language:
+        logger.info(
+            "a vision-language model in %s without ZeRO trains on LowLevelZeroPlugin stage 1", parallel.precision
+        )
+        return make_low_level_zero_plugin(dataclasses.replace(parallel, zero_stage=1), max_norm=max_norm, on_cpu=on_cpu)
     return make_hybrid_plugin(parallel, microbatch_size=microbatch_size, max_norm=max_norm, on_cpu=on_cpu)
 
 

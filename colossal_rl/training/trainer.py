@@ -170,10 +170,6 @@ class Trainer:
             self.device = training_device()
         torch.manual_seed(self.config.run.seed)
         parallel, train = self.config.parallel, self.config.train
-        self.plugin = plugin or make_plugin(
-            parallel, microbatch_size=train.microbatch_size, max_norm=train.max_norm, on_cpu=self.on_cpu
-        )
-        self.booster = Booster(plugin=self.plugin)
         dtype = _DTYPES[parallel.precision]
         with self.startup.record("model"):
             model = load_policy(
@@ -192,6 +188,14 @@ class Trainer:
             from colossal_rl.vision.models import freeze_vision_tower
 
             logger.info("froze the vision tower's %d parameter tensors", freeze_vision_tower(model))
+        self.plugin = plugin or make_plugin(
+            parallel,
+            microbatch_size=train.microbatch_size,
+            max_norm=train.max_norm,
+            on_cpu=self.on_cpu,
+            vision_language=is_vision_language_config(model.config),
+        )
+        self.booster = Booster(plugin=self.plugin)
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
         lr_scheduler = make_lr_scheduler(

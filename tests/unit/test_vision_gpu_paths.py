@@ -66,3 +66,22 @@ def test_packed_vision_training_under_flash_attention_is_refused():
     check_images(flash_config("padded"), {}, vision_language=True)
     with pytest.raises(ValueError, match="passes no position_ids"):
         forward_for(config, vlm_rope_tokens())
+
+
+def test_a_vision_model_in_bf16_without_zero_boosts_and_trains(tmp_path):
+    """Item 3: bf16/fp16 with ZeRO 0 went to HybridParallelPlugin, whose ShardFormer has no Qwen2.5-VL policy
+    (NotImplementedError at boost, before the first step). It now trains on LowLevelZeroPlugin stage 1."""
+    from colossalai.booster.plugin import LowLevelZeroPlugin
+    from trainer_harness import make_config, make_trainer
+    from vision_fixtures import build_random_vlm
+
+    config = make_config(train={"microbatch_size": 8})
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, path=str(build_random_vlm(tmp_path / "vlm"))),
+        parallel=dataclasses.replace(config.parallel, precision="bf16", zero_stage=0),
+    )
+    trainer = make_trainer(config, device="cpu")
+    assert isinstance(trainer.plugin, LowLevelZeroPlugin) and trainer.plugin.stage == 1
+    assert next(trainer.model.unwrap().parameters()).dtype == torch.bfloat16
+    assert trainer.stage_state_dict()  # the weight sync's gather works on it
