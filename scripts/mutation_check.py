@@ -261,6 +261,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="    if False:\n",
         tests=("tests/unit/test_vision_gpu_paths.py::test_a_vision_model_in_bf16_without_zero_boosts_and_trains",),
     ),
+    Mutation(
+        name="producer_generates_on_the_cpu",
+        why="the transformers producer leaves its model on the CPU although Ray reserved it a GPU",
+        path="colossal_rl/rollout/transformers_backend.py",
+        old="        self.model.to(self.device).eval()\n",
+        new="        self.model.eval()\n",
+        tests=("tests/unit/test_producer_device.py::test_a_producer_with_a_gpu_generates_on_it",),
+    ),
+    Mutation(
+        name="producer_prompts_left_on_the_host",
+        why="the producer's prompts stay on the host while its model is on the GPU (fails on a GPU)",
+        path="colossal_rl/rollout/transformers_backend.py",
+        old="            unique_ids.to(self.device),\n",
+        new="            unique_ids,\n",
+        tests=("tests/unit/test_producer_device.py::test_a_producer_with_a_gpu_generates_on_it",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
