@@ -277,6 +277,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="            unique_ids,\n",
         tests=("tests/unit/test_producer_device.py::test_a_producer_with_a_gpu_generates_on_it",),
     ),
+    Mutation(
+        name="trainer_group_keeps_torchs_timeout",
+        why="the trainers' default process group keeps torch's 10-minute timeout instead of --timeout",
+        path="colossal_rl/training/booster_plugins.py",
+        old="        timeout=datetime.timedelta(seconds=timeout_s),\n    )\n",
+        new="    )\n",
+        tests=("tests/unit/test_collective_timeouts.py::test_the_trainers_process_group_gets_the_runs_timeout",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -81,7 +81,13 @@ def launch_colossalai(
         else:
             timeout = datetime.timedelta(seconds=timeout_s)
             store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend=accelerator.communication_backend, store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(  # without a timeout torch's default (10 minutes) bounds every collective, not --timeout
+        backend=accelerator.communication_backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     if accelerator.support_set_device:
         accelerator.set_device(None)
     set_seed(1024)
