@@ -285,6 +285,27 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="    )\n",
         tests=("tests/unit/test_collective_timeouts.py::test_the_trainers_process_group_gets_the_runs_timeout",),
     ),
+    Mutation(
+        name="nccl_sync_trusts_work_wait",
+        why="an NCCL weight-sync collective is waited with Work.wait(timeout), which returns at once: no timeout",
+        path="colossal_rl/comm/process_group.py",
+        old='        if self.backend == "nccl":\n            self._poll(work, what)\n',
+        new="",
+        tests=(
+            "tests/unit/test_collective_timeouts.py::"
+            "test_an_nccl_broadcast_that_never_finishes_times_out_aborts_and_breaks_the_group",
+        ),
+    ),
+    Mutation(
+        name="restart_copy_taken_after_the_send",
+        why="the restart copy of the weights is taken after the send (on NCCL, queued behind a stuck broadcast)",
+        path="colossal_rl/actors.py",
+        old="            retained = self._retain(state)\n            if self.sender is not None:\n"
+        "                self.sender.send(state, policy_version)\n",
+        new="            if self.sender is not None:\n                self.sender.send(state, policy_version)\n"
+        "            retained = self._retain(state)\n",
+        tests=("tests/unit/test_collective_timeouts.py::test_a_sync_takes_the_restart_copy_before_sending",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
