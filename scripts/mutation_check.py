@@ -317,6 +317,14 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_stages_are_received_in_stage_order_over_nccl_and_together_over_gloo[nccl]",
         ),
     ),
+    Mutation(
+        name="pipeline_gather_of_device_tensors",
+        why="every pipeline stage's weights are gathered as device tensors (rebuilt on global rank 0's GPU)",
+        path="colossal_rl/training/full_state_dict.py",
+        old="    on_host = {name: tensor.detach().cpu() for name, tensor in stage_state_dict.items()}\n",
+        new="    on_host = stage_state_dict\n",
+        tests=("tests/unit/test_pipeline_gather.py::test_each_stage_reaches_the_gather_on_the_host",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
