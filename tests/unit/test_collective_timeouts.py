@@ -135,3 +135,19 @@ def test_a_sync_takes_the_restart_copy_before_sending():
     push_weights = TrainerActor.__ray_metadata__.modified_class.push_weights
     assert push_weights(actor, 3) == ["copy"]
     assert calls == ["retain", "send"] and trainer.policy_version == 3
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+def test_the_restart_copy_is_taken_only_with_elastic_producers(monkeypatch, restarts):
+    """The host copy of the weights every sync costs a device-to-host copy and an object-store put of the whole
+    stage (README "Run lifecycle"); ``--max-actor-restarts 0`` turns it off."""
+    import colossal_rl.actors as actors
+
+    put = []
+    monkeypatch.setattr(actors.ray, "put", lambda value: put.append(value) or "ref")
+    config = RLConfig()
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, max_actor_restarts=restarts))
+    retain = actors.TrainerActor.__ray_metadata__.modified_class._retain
+    assert retain(SimpleNamespace(config=config), {"w": torch.ones(2)}) == ([] if restarts == 0 else ["ref"])
+    assert len(put) == (0 if restarts == 0 else 1)
+    assert retain(SimpleNamespace(config=config), None) == []  # a rank that sends no stage keeps nothing
