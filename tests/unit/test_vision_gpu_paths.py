@@ -48,6 +48,17 @@ def test_qwen2_5_vl_flash_attention_passes_no_position_ids_to_flash_attention():
     assert "attention_mask" in call and "position_ids" not in call, call
 
 
+def test_qwen2_flash_attention_does_pass_position_ids_so_text_models_keep_packed():
+    """The text model's path, for contrast: Qwen2's decoder layer hands position_ids to its attention, which
+    forwards its keyword arguments to the flash-attention interface (varlen over the packed samples)."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2DecoderLayer
+
+    assert "position_ids=position_ids" in inspect.getsource(Qwen2DecoderLayer.forward)
+    assert "**kwargs,\n        )" in inspect.getsource(Qwen2Attention.forward)
+    assert "**kwargs" in inspect.getsource(flash_attention_forward).split("_flash_attention_forward(")[-1]
+
+
 def test_auto_gives_a_vision_model_the_padded_layout_under_flash_attention():
     config = flash_config()
     assert config.sequence_layout == "packed"  # a text model: flash-attention's varlen path through position_ids
