@@ -375,12 +375,13 @@ class TrainerActor:
         self.trainer.set_total_steps(total_steps)
 
     def push_weights(self, policy_version: int) -> list:
-        """Send the weights as ``policy_version``; returns :meth:`_retain`'s copy of them."""
+        """Send the weights as ``policy_version``; returns :meth:`_retain`'s copy of them, taken before sending (on
+        NCCL a copy queued behind a broadcast that never finishes would never run)."""
         with self.trainer.phases.record("sync"):
             state = self.trainer.stage_state_dict()
+            retained = self._retain(state)
             if self.sender is not None:
                 self.sender.send(state, policy_version)
-            retained = self._retain(state)
         self.trainer.policy_version = policy_version
         return retained
 

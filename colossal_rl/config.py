@@ -24,6 +24,8 @@ EMBEDDED_SHAPES_TRAIN_DATA = ASSETS_DIR / "shapes" / "train.jsonl"
 EMBEDDED_SHAPES_EVAL_DATA = ASSETS_DIR / "shapes" / "eval.jsonl"
 
 Precision = Literal["fp32", "bf16", "fp16"]
+PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
+"""``parallel.precision`` as configured: a precision, or ``auto`` (follow the trainers' device)."""
 LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardType = Literal["boxed", "think_answer_tags", "code"]
@@ -38,6 +40,13 @@ SequenceLayout = Literal["auto", "padded", "packed", "shared_prompt"]
 WeightSyncMode = Literal["broadcast", "shm", "checkpoint"]
 OBJECTIVE_NAMES: tuple[str, ...] = ("policy_gradient", "dpo")
 """The names of ``training.objective.OBJECTIVES`` (kept here so the config imports no torch; a test checks)."""
+
+
+PACKED_VISION_UNDER_FLASH_ATTENTION = (
+    "a vision-language model under flash_attention_2 cannot train packed: its flash-attention layer (Qwen2.5-VL, "
+    "transformers 4.51) passes no position_ids to flash-attention, so packed samples would attend to each other; "
+    "use --sequence-layout padded (auto's choice) or sdpa"
+)
 
 
 class ConfigError(ValueError):
@@ -382,8 +391,10 @@ class ParallelConfig:
     """Pipeline-parallel size of the consumers."""
     zero_stage: int = 0
     """ZeRO stage of the consumers (0, 1 or 2)."""
-    precision: Precision = "fp32"
-    """Training precision of the consumers."""
+    precision: PrecisionChoice = "auto"
+    """Training precision of the consumers. ``auto``: bf16 when the trainers run on GPUs, fp32 on CPU
+    (:func:`resolve_precision`); the driver resolves it once it sees the Ray cluster's GPUs and logs it, and the
+    run directory's ``config.yaml`` holds the resolved value (a resume keeps the checkpoint's)."""
 
     @property
     def dp_size(self) -> int:
@@ -399,6 +410,11 @@ class ParallelConfig:
             f"{self.num_trainers} trainers are not divisible by tp*pp = {self.tp_size * self.pp_size}",
         )
         _require(self.zero_stage in (0, 1, 2), "parallel.zero_stage", "must be 0, 1 or 2")
+        _require(
+            self.precision in ("auto", "fp32", "bf16", "fp16"),
+            "parallel.precision",
+            f"must be auto, fp32, bf16 or fp16, got {self.precision!r}",
+        )
         if self.tp_size > 1 or self.pp_size > 1:  # ColossalAI's HybridParallelPlugin trains these layouts
             _require(
                 self.zero_stage == 0 or self.precision != "fp32",
@@ -556,13 +572,22 @@ class RLConfig:
 
     @property
     def sequence_layout(self) -> str:
-        """The training forward's layout: ``train.sequence_layout``, with ``auto`` resolved to padded under
-        pipeline parallelism, packed with flash_attention_2 (no 4D masks there), else shared_prompt."""
+        """The training forward's layout for a text model (:meth:`sequence_layout_for`)."""
+        return self.sequence_layout_for(vision_language=False)
+
+    def sequence_layout_for(self, *, vision_language: bool) -> str:
+        """``train.sequence_layout``, with ``auto`` resolved: padded under pipeline parallelism; under
+        flash_attention_2 (no 4D masks there) packed, but padded for a vision-language model — Qwen2.5-VL's
+        flash-attention layer (transformers 4.51) passes no position_ids to flash-attention, so samples packed
+        in a row would attend to each other, while padded's 2D mask takes flash-attention's unpadding path;
+        else shared_prompt. Packed itself is refused there (:func:`input_checks.check_images`)."""
         if self.train.sequence_layout != "auto":
             return self.train.sequence_layout
         if self.parallel.pp_size > 1:
             return "padded"
-        return "packed" if self.train.attn_implementation == "flash_attention_2" else "shared_prompt"
+        if self.train.attn_implementation == "flash_attention_2":
+            return "padded" if vision_language else "packed"
+        return "shared_prompt"
 
     def validate(self) -> RLConfig:
         self.generation.validate()
@@ -573,6 +598,12 @@ class RLConfig:
         self.reward.validate()
         self.data.validate()
         self._validate_batch_arithmetic()
+        _require(
+            not (self.train.attn_implementation == "flash_attention_2" and self.parallel.precision == "fp32"),
+            "train.attn_implementation",
+            "flash_attention_2 runs in bf16 or fp16 only, and the training precision is fp32: use --precision bf16 "
+            "(auto's choice on GPUs), or sdpa",
+        )
         _require(
             self.train.lora_rank == 0 or (self.parallel.tp_size == 1 and self.parallel.pp_size == 1),
             "train.lora_rank",
@@ -647,6 +678,30 @@ class RLConfig:
             f"{global_prompts} must be divisible by dp_size*train_batch_size = {par.dp_size}*{train.batch_size} "
             f"= {per_step}",
         )
+
+
+def resolve_precision(precision: PrecisionChoice, *, on_gpu: bool) -> Precision:
+    """``auto`` -> bf16 on GPUs (tensor-core speed, half the activation and weight memory; fp32 master weights
+    are kept by the mixed-precision plugins), fp32 on CPU (nothing to gain there, and runs match fp32 references
+    exactly); any other value is returned as is."""
+    if precision != "auto":
+        return precision
+    return "bf16" if on_gpu else "fp32"
+
+
+def with_device_precision(config: RLConfig, *, on_gpu: bool) -> RLConfig:
+    """``config`` with ``parallel.precision`` resolved for trainers on GPUs (``on_gpu``) or CPUs, validated again
+    (ZeRO with TP/PP and flash_attention_2 need a low precision)."""
+    precision = resolve_precision(config.parallel.precision, on_gpu=on_gpu)
+    if precision == config.parallel.precision:
+        return config
+    try:
+        return dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, precision=precision)
+        ).validate()
+    except ConfigError as error:
+        where = "the trainers run on GPUs" if on_gpu else "no GPUs: the trainers run on CPU"
+        raise ConfigError(error.field_path, f"{error.message} (precision auto is {precision}: {where})") from None
 
 
 def replace(config, **changes):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from colossal_rl.config import RLConfig
+from colossal_rl.config import PACKED_VISION_UNDER_FLASH_ATTENTION, RLConfig
 
 
 class InputError(ValueError):
@@ -99,6 +99,10 @@ def check_images(config: RLConfig, sources: dict[str, list[dict]], vision_langua
         raise InputError(
             f"-m/--model {config.model.path} is a vision-language model: it trains under DDP and ZeRO only "
             "(ColossalAI 0.5.0 has no tensor/pipeline shard policy for Qwen2.5-VL); drop -tp/-pp"
+        )
+    if config.train.sequence_layout == "packed" and config.train.attn_implementation == "flash_attention_2":
+        raise InputError(
+            f"--sequence-layout packed: -m/--model {config.model.path}: {PACKED_VISION_UNDER_FLASH_ATTENTION}"
         )
     for source, rows in sources.items():
         base = source_directory(source)

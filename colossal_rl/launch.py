@@ -32,7 +32,7 @@ from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.local_ray import shutdown_local_ray
 from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
-from colossal_rl.placement import check_transport_for_cluster
+from colossal_rl.placement import check_transport_for_cluster, resolve_precision_for_cluster
 from colossal_rl.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.rollout.eval_result import aggregate_eval
@@ -482,26 +482,30 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         config.validate()
         rows_in_source = check_inputs(config).train_rows
         rounds = total_rounds(config, rows_in_source)  # an upper bound, checked before Ray starts
-        resume_from = checkpoint_to_resume(config)
+        resume_from, config = checkpoint_to_resume(config)  # --precision auto: the checkpoint's
         if config.run.eval_save_dir:
             prepare_eval_dir(
                 Path(config.run.eval_save_dir), overwrite=config.run.overwrite_eval_dir or resume_from is not None
             )
         run_dir = make_run_dir(config)
-        (run_dir / CONFIG_FILE).write_text(config_to_yaml(config), encoding="utf-8")  # --config takes it back
-    with startup.record("metrics"):
-        metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
-    logger.info(
-        "run directory: %s (%d rounds, %d optimizer steps per round)", run_dir, rounds, config.optimizer_steps_per_round
-    )
     if config.generation.backend == "vllm":
         with startup.record("producer env"):  # built once (minutes), found again in milliseconds
             ensure_producer_env()
     started_ray = not ray.is_initialized()
     with startup.record("ray start"):
         init_ray(config)
-    driver = None
+    driver = metrics = None
     try:
+        if config.parallel.precision == "auto":  # the device decides; config.yaml holds what was chosen
+            config = resolve_precision_for_cluster(config, ray.nodes())
+            logger.info("training precision %s (--precision auto)", config.parallel.precision)
+        (run_dir / CONFIG_FILE).write_text(config_to_yaml(config), encoding="utf-8")  # --config takes it back
+        with startup.record("metrics"):
+            metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
+        logger.info(
+            "run directory: %s (%d rounds, %d optimizer steps per round)",
+            run_dir, rounds, config.optimizer_steps_per_round,
+        )  # fmt: skip
         driver = Driver(config, run_dir, metrics, startup)
         driver.start(resume_from)
         if driver.train_rows != rows_in_source:  # over-long prompts were left out by the producers
@@ -514,7 +518,8 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     finally:
         if driver is not None:
             driver.shutdown()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         if started_ray and not config.run.master_address:
             shutdown_local_ray()  # and every process of the local instance gone: nothing of the run outlives it
         elif started_ray:

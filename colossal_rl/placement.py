@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from colossal_rl.config import RLConfig
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 LOCAL_ADDRESS = "127.0.0.1"
@@ -143,13 +146,30 @@ def alive_nodes(ray_nodes: Iterable[Mapping[str, Any]]) -> list[NodeInfo]:
     return sorted(nodes, key=lambda n: (not n.is_head, n.address, n.node_id))
 
 
+def trainers_use_gpus(ray_nodes: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether the actors get GPUs: some alive node has one (``plan_placement`` then places every actor on GPUs)."""
+    return any(node.num_gpus > 0 for node in alive_nodes(ray_nodes))
+
+
+def resolve_precision_for_cluster(config: RLConfig, ray_nodes: Iterable[Mapping[str, Any]]) -> RLConfig:
+    """``config`` with ``--precision auto`` resolved for the trainers' device on this cluster (bf16 on GPUs, fp32
+    on CPUs); a precision the layout cannot train in is a :class:`PlacementError` naming the flag."""
+    from colossal_rl.config import ConfigError, with_device_precision
+    from colossal_rl.flags import flag_for
+
+    try:
+        return with_device_precision(config, on_gpu=trainers_use_gpus(ray_nodes))
+    except ConfigError as error:
+        raise PlacementError(f"{flag_for(error.field_path)}: {error.message}") from None
+
+
 GPU_ONLY_TRANSPORTS = frozenset({"ray_nccl"})
 """Weight-sync transports (``--weight-sync-backend``) that carry CUDA tensors only."""
 
 
 def check_transport_for_cluster(transport: str, ray_nodes: Iterable[Mapping[str, Any]]) -> None:
     """Before any actor starts: a GPU-only transport needs GPU placement (some alive node has GPUs)."""
-    if transport in GPU_ONLY_TRANSPORTS and not any(node.num_gpus > 0 for node in alive_nodes(ray_nodes)):
+    if transport in GPU_ONLY_TRANSPORTS and not trainers_use_gpus(ray_nodes):
         raise PlacementError(
             f"--weight-sync-backend {transport} needs GPUs (it carries CUDA tensors only); the Ray cluster has "
             "none: use --weight-sync-backend torch"

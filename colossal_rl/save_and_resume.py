@@ -16,7 +16,7 @@ import ray
 
 from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.actor_groups import Call, Calls, TrainerGroup, gather
-from colossal_rl.config import RLConfig
+from colossal_rl.config import ConfigError, RLConfig
 from colossal_rl.run_checkpoint import RunProgress
 
 logger = logging.getLogger(__name__)
@@ -79,15 +79,23 @@ def restore_run(
     return progress, pending
 
 
-def checkpoint_to_resume(config: RLConfig) -> Path | None:
-    """The checkpoint ``-cp`` names, checked against this run's config (fields that must not change)."""
+def checkpoint_to_resume(config: RLConfig) -> tuple[Path | None, RLConfig]:
+    """The checkpoint ``-cp`` names, checked against this run's config (fields that must not change), and the
+    config to run: with ``--precision auto`` the checkpoint's precision (its shards and weights are in it)."""
     if config.run.checkpoint_path is None:
-        return None
+        return None, config
     checkpoint = ckpt.resolve(config.run.checkpoint_path, fallback=config.run.resume_fallback)
     saved = ckpt.load_state(checkpoint)
+    saved_precision = saved.config.get("parallel", {}).get("precision", "auto")
+    if config.parallel.precision == "auto" and saved_precision != "auto":
+        try:
+            parallel = dataclasses.replace(config.parallel, precision=saved_precision)
+            config = dataclasses.replace(config, parallel=parallel).validate()
+        except ConfigError as error:
+            raise ckpt.CheckpointError(f"{checkpoint}: its precision {saved_precision}: {error}") from None
     mismatches = ckpt.resume_mismatches(saved.config, config_as_json(config))
     if mismatches:
         raise ckpt.CheckpointError(
             f"{checkpoint}: cannot resume with a different " + "; ".join(mismatches) + " (use the saved values)"
         )
-    return checkpoint
+    return checkpoint, config

@@ -362,6 +362,94 @@ MUTATIONS: tuple[Mutation, ...] = (
         old="                if checksum != self.checksum:\n",
         new="                if False:\n",
         tests=("tests/unit/test_weight_sync_modes.py::test_shm_receiver_refuses_a_version_written_for_another_layout",),
+        name="gpu_runs_default_to_fp32",
+        why="--precision auto resolves to fp32 on GPUs too (GPU runs train in fp32 unless told otherwise)",
+        path="colossal_rl/config.py",
+        old='    return "bf16" if on_gpu else "fp32"\n',
+        new='    return "fp32"\n',
+        tests=("tests/unit/test_precision_default.py::test_the_default_precision_is_bf16_on_gpus_and_fp32_on_cpu",),
+    ),
+    Mutation(
+        name="vision_packed_under_flash_attention",
+        why="auto packs a vision-language model's samples under flash_attention_2 (they attend to each other)",
+        path="colossal_rl/config.py",
+        old='            return "padded" if vision_language else "packed"\n',
+        new='            return "packed"\n',
+        tests=(
+            "tests/unit/test_vision_gpu_paths.py::test_auto_gives_a_vision_model_the_padded_layout_under_flash_attention",
+        ),
+    ),
+    Mutation(
+        name="vision_bf16_on_the_hybrid_plugin",
+        why="a vision-language model in bf16 without ZeRO goes to HybridParallelPlugin (no ShardFormer policy)",
+        path="colossal_rl/training/booster_plugins.py",
+        old="    if vision_language:\n",
+        new="    if False:\n",
+        tests=("tests/unit/test_vision_gpu_paths.py::test_a_vision_model_in_bf16_without_zero_boosts_and_trains",),
+    ),
+    Mutation(
+        name="producer_generates_on_the_cpu",
+        why="the transformers producer leaves its model on the CPU although Ray reserved it a GPU",
+        path="colossal_rl/rollout/transformers_backend.py",
+        old="        self.model.to(self.device).eval()\n",
+        new="        self.model.eval()\n",
+        tests=("tests/unit/test_producer_device.py::test_a_producer_with_a_gpu_generates_on_it",),
+    ),
+    Mutation(
+        name="producer_prompts_left_on_the_host",
+        why="the producer's prompts stay on the host while its model is on the GPU (fails on a GPU)",
+        path="colossal_rl/rollout/transformers_backend.py",
+        old="            unique_ids.to(self.device),\n",
+        new="            unique_ids,\n",
+        tests=("tests/unit/test_producer_device.py::test_a_producer_with_a_gpu_generates_on_it",),
+    ),
+    Mutation(
+        name="trainer_group_keeps_torchs_timeout",
+        why="the trainers' default process group keeps torch's 10-minute timeout instead of --timeout",
+        path="colossal_rl/training/booster_plugins.py",
+        old="        timeout=datetime.timedelta(seconds=timeout_s),\n    )\n",
+        new="    )\n",
+        tests=("tests/unit/test_collective_timeouts.py::test_the_trainers_process_group_gets_the_runs_timeout",),
+    ),
+    Mutation(
+        name="nccl_sync_trusts_work_wait",
+        why="an NCCL weight-sync collective is waited with Work.wait(timeout), which returns at once: no timeout",
+        path="colossal_rl/comm/process_group.py",
+        old='        if self.backend == "nccl":\n            self._poll(work, what)\n',
+        new="",
+        tests=(
+            "tests/unit/test_collective_timeouts.py::"
+            "test_an_nccl_broadcast_that_never_finishes_times_out_aborts_and_breaks_the_group",
+        ),
+    ),
+    Mutation(
+        name="restart_copy_taken_after_the_send",
+        why="the restart copy of the weights is taken after the send (on NCCL, queued behind a stuck broadcast)",
+        path="colossal_rl/actors.py",
+        old="            retained = self._retain(state)\n            if self.sender is not None:\n"
+        "                self.sender.send(state, policy_version)\n",
+        new="            if self.sender is not None:\n                self.sender.send(state, policy_version)\n"
+        "            retained = self._retain(state)\n",
+        tests=("tests/unit/test_collective_timeouts.py::test_a_sync_takes_the_restart_copy_before_sending",),
+    ),
+    Mutation(
+        name="nccl_stages_received_concurrently",
+        why="a producer receives every pipeline stage at once over several NCCL communicators (can deadlock)",
+        path="colossal_rl/comm/weight_sync.py",
+        old='    if any(receiver.group.backend == "nccl" for receiver in receivers):\n',
+        new="    if False:\n",
+        tests=(
+            "tests/unit/test_stage_receive_order.py::"
+            "test_stages_are_received_in_stage_order_over_nccl_and_together_over_gloo[nccl]",
+        ),
+    ),
+    Mutation(
+        name="pipeline_gather_of_device_tensors",
+        why="every pipeline stage's weights are gathered as device tensors (rebuilt on global rank 0's GPU)",
+        path="colossal_rl/training/full_state_dict.py",
+        old="    on_host = {name: tensor.detach().cpu() for name, tensor in stage_state_dict.items()}\n",
+        new="    on_host = stage_state_dict\n",
+        tests=("tests/unit/test_pipeline_gather.py::test_each_stage_reaches_the_gather_on_the_host",),
     ),
 )
 

@@ -21,9 +21,10 @@ default weight-sync transport is torch's own ``ProcessGroupNCCL`` over the same 
 ``TCPStore``; Ray's cupy NCCL collectives are the opt-in alternative (``ray_nccl_group.py``, chosen
 in ``transports.py``). torch's is the default because it shares everything but those two lines
 with gloo: the same rendezvous (rank 0's store, ``host:port`` handed out through a Ray call), and
-the same per-operation timeout (every broadcast is an asynchronous ``Work`` whose ``wait(timeout)``
-raises instead of hanging, which the bucketed sender also pipelines on; NCCL's watchdog gets the same
-timeout). It needs no named Ray actor for rendezvous and no cupy (``cupy-cuda12x``, in the ``gpu``
+the same per-operation timeout (every broadcast is an asynchronous ``Work``, which the bucketed sender
+pipelines on: gloo's ``wait(timeout)`` raises instead of hanging; NCCL's ``wait`` only orders CUDA streams,
+so an NCCL ``Work`` is polled with ``is_completed`` against the deadline and the communicator aborted on
+timeout — see ``StandaloneGroup.wait``; NCCL's watchdog gets the same timeout). It needs no named Ray actor for rendezvous and no cupy (``cupy-cuda12x``, in the ``gpu``
 extra, serves the Ray transport only), and it is as independent of the
 default process group as Ray's NCCL groups (it is never registered with ``init_process_group``), so
 it lives next to ColossalAI's group in a trainer and next to vLLM's own tensor-parallel group in a
@@ -37,6 +38,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import time
 from typing import Literal, Protocol
 
 import torch
@@ -45,6 +47,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 Backend = Literal["gloo", "nccl"]
+_POLL_PAUSE_S = 0.01
+"""Longest pause between two polls of an NCCL collective's completion."""
 
 
 def backend_for_device(device: torch.device | str) -> Backend:
@@ -171,15 +175,47 @@ class StandaloneGroup:
         self.wait(work, "barrier")
 
     def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` at most the group's timeout; raise ``CollectiveTimeoutError`` / ``CollectiveError``.
+
+        gloo: ``Work.wait(timeout)`` blocks and raises on the timeout. NCCL: it does not — without blocking wait
+        it only makes the current CUDA stream wait for NCCL's, returning at once, and any later CUDA work of this
+        process would then queue behind a broadcast that may never finish. So on NCCL the work is polled
+        (``is_completed``) against the deadline, waited on only once complete, and on timeout the communicator
+        is aborted (its kernels return) before the error is raised."""
+        if self.backend == "nccl":
+            self._poll(work, what)
         try:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as error:
             if "timed out" in str(error).lower() or "timeout" in str(error).lower():
-                raise CollectiveTimeoutError(
-                    f"{self!r}: {what} did not finish within {self.timeout_s:.1f}s "
-                    "(a member is dead, slow, or not calling the same collective); destroy this group"
-                ) from error
+                raise self._timed_out(what) from error
             raise CollectiveError(f"{self!r}: {what} failed ({error}); a member probably died") from error
+
+    def _poll(self, work: dist.Work, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-4
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                self._abort()
+                raise self._timed_out(what)
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_PAUSE_S)
+
+    def _timed_out(self, what: str) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(
+            f"{self!r}: {what} did not finish within {self.timeout_s:.1f}s "
+            "(a member is dead, slow, or not calling the same collective); destroy this group"
+        )
+
+    def _abort(self) -> None:
+        """Abort an NCCL communicator stuck in a collective (its kernels return; the group is unusable after)."""
+        process_group, self._process_group = self._process_group, None
+        if process_group is None:
+            return
+        try:
+            process_group._shutdown()  # torch 2.5's ProcessGroupNCCL: aborts its communicators
+        except Exception as error:  # already broken: nothing more to release
+            logger.warning("%r: aborting the NCCL communicator failed: %s", self, error)
 
     def destroy(self) -> None:
         """Drop the process group and the store (rank 0 closes the store's server). Idempotent."""

@@ -18,7 +18,7 @@ views into them.
 
 With pipeline parallelism each stage's sender sends its own keys over its own group
 (``stage_group_name``); producers hold one receiver per stage and ``receive_stages`` receives all
-parts at once and merges them. Nothing here knows about models or Ray.
+parts (at once over gloo, one stage after the other over NCCL) and merges them. Nothing here knows about models or Ray.
 
 Every line is shared by the CPU and the GPU path and by both transports: the group is any
 ``Collective`` (``transports.py``: torch's standalone gloo/NCCL group, or Ray's cupy NCCL group on
@@ -202,19 +202,24 @@ def merge_stage_parts(parts: list[Mapping[str, torch.Tensor]]) -> dict[str, torc
 
 
 def receive_stages(receivers: Sequence[WeightReceiver]) -> tuple[int, dict[str, torch.Tensor]]:
-    """One sync from every pipeline stage's group, received concurrently; the version and the merged dict.
+    """One sync from every pipeline stage's group; the version and the merged dict.
 
-    The stages' senders send at the same time, so the parts are received in parallel threads (a
-    receive waits inside the collective library, without the GIL). Every part must carry the same
-    version. Each receive is bounded by its group's timeout.
+    The stages' senders send at the same time. Over gloo the parts are received in parallel threads (a
+    receive waits inside the collective library, without the GIL). Over NCCL they are received one stage
+    after the other, in stage order: NCCL documents that collectives issued concurrently on several
+    communicators by one process can deadlock (each sender then waits for its turn, within its timeout).
+    Every part must carry the same version. Each receive is bounded by its group's timeout.
     """
     if not receivers:
         raise ValueError("receive_stages needs at least one receiver")
     if len(receivers) == 1:
         return receivers[0].receive()
-    with ThreadPoolExecutor(max_workers=len(receivers), thread_name_prefix="weight-sync-stage") as pool:
-        futures = [pool.submit(receiver.receive) for receiver in receivers]
-        parts = [future.result() for future in futures]
+    if any(receiver.group.backend == "nccl" for receiver in receivers):
+        parts = [receiver.receive() for receiver in receivers]
+    else:
+        with ThreadPoolExecutor(max_workers=len(receivers), thread_name_prefix="weight-sync-stage") as pool:
+            futures = [pool.submit(receiver.receive) for receiver in receivers]
+            parts = [future.result() for future in futures]
     versions = [version for version, _ in parts]
     if len(set(versions)) != 1:
         raise RuntimeError(f"pipeline stages sent different weight versions: {versions} (stage order)")

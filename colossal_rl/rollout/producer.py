@@ -13,7 +13,7 @@ import time
 import torch
 
 from colossal_rl.batch import RolloutBatch, pad_to
-from colossal_rl.config import RLConfig
+from colossal_rl.config import RLConfig, resolve_precision
 from colossal_rl.data import EpisodeSchedule, ImagePrompting, PromptDataset, load_prompt_dataset
 from colossal_rl.data_sources import RowKeys
 from colossal_rl.profiling import PhaseRecorder
@@ -95,7 +95,7 @@ class Producer:
             vllm_engine=config.generation.vllm,
             max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
             trust_remote_code=config.model.trust_remote_code,
-            weights_dtype=VLLM_DTYPES[config.parallel.precision],
+            weights_dtype=VLLM_DTYPES[resolve_precision(config.parallel.precision, on_gpu=torch.cuda.is_available())],
             images_per_prompt=config.data.limit_images,
             min_pixels=config.data.min_pixels,
             max_pixels=config.data.max_pixels,

@@ -57,11 +57,26 @@ def cut_at_stop_strings(
     return mask, truncated
 
 
+def generation_device() -> torch.device:
+    """Where a producer generates: its GPU when it has one (Ray reserves one per producer on a GPU cluster and
+    makes it ``cuda``), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 class TransformersBackend:
     """Samples token by token (``rollout/decoding.py``: prefill once per prompt, memory O(N·R));
-    behaviour log-probs are log-softmax(raw logits / temperature)."""
+    behaviour log-probs are log-softmax(raw logits / temperature). The model lives on ``device``
+    (:func:`generation_device` by default); what ``generate`` returns and ``named_weights`` gives is on the host."""
 
-    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32, *, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: torch.dtype = torch.float32,
+        *,
+        trust_remote_code: bool = False,
+        device: torch.device | str | None = None,
+    ):
+        self.device = generation_device() if device is None else torch.device(device)
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.processor = None
         """A vision-language model's processor (chat template, tokenizer, image processor); None for text."""
@@ -75,7 +90,7 @@ class TransformersBackend:
         self.model = auto_model_class(config).from_pretrained(
             model_path, torch_dtype=dtype, trust_remote_code=trust_remote_code
         )
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.pad_token_id = self._pad_token_id()
         self.eos_token_ids = self._eos_token_ids()
 
@@ -104,15 +119,15 @@ class TransformersBackend:
             if self.rope_tokens is None:
                 raise ValueError("prompts with images need a vision-language model")
             grids = [None if v is None else v.image_grid_thw for v in vision]
-            positions = padded_positions(unique_ids, unique_mask, grids, self.rope_tokens)
-            vision_kwargs = model_vision_kwargs(vision, unique_ids.device, self.model.dtype)
+            positions = padded_positions(unique_ids, unique_mask, grids, self.rope_tokens).to(self.device)
+            vision_kwargs = model_vision_kwargs(vision, self.device, self.model.dtype)
         stop_watch = None
         if sampling.stop_strings:
             stop_watch = StopStringWatch(self.tokenizer, sampling.stop_strings, len(prompts) * num_samples)
         decoded = sample_responses(
             self.model,
-            unique_ids,
-            unique_mask,
+            unique_ids.to(self.device),
+            unique_mask.to(self.device),
             num_samples,
             sampling,
             eos_token_ids=self.eos_token_ids,
@@ -123,7 +138,7 @@ class TransformersBackend:
         )
         prompt_ids = unique_ids.repeat_interleave(num_samples, dim=0)
         prompt_mask = unique_mask.repeat_interleave(num_samples, dim=0)
-        response_ids, logprobs = decoded.response_ids, decoded.logprobs
+        response_ids, logprobs = decoded.response_ids.cpu(), decoded.logprobs.cpu()
         mask, truncated = response_mask_until_eos(response_ids, self.eos_token_ids)
         mask, truncated = cut_at_stop_strings(self.tokenizer, response_ids, mask, truncated, sampling.stop_strings)
         response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, self.pad_token_id))
@@ -156,7 +171,8 @@ class TransformersBackend:
             own[name].copy_(tensor)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        """A host copy of every weight."""
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
 
     def base_weights(self, names: set[str]) -> dict[str, torch.Tensor]:
         """Called before the first sync, while the model still holds its own weights."""

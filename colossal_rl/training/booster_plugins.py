@@ -7,7 +7,9 @@ layout                      plugin                       notes
 ==========================  ===========================  ============================================
 tp = pp = 1, zero 0, fp32   ``TorchDDPPlugin``           it has no mixed precision and never clips:
                                                          use :func:`clip_and_step`
-tp = pp = 1, zero 0, bf16   ``HybridParallelPlugin``     mixed precision with fp32 master weights
+tp = pp = 1, zero 0, bf16   ``HybridParallelPlugin``     mixed precision with fp32 master weights;
+                                                         ``LowLevelZeroPlugin`` stage 1 for a
+                                                         vision-language model (no ShardFormer policy)
 tp = pp = 1, zero 1/2       ``LowLevelZeroPlugin``       fp32 allowed
 tp > 1 or pp > 1            ``HybridParallelPlugin``     ZeRO only with bf16/fp16; ZeRO-2 not with pp
 ==========================  ===========================  ============================================
@@ -22,23 +24,22 @@ offered only in ``split_gather`` mode: ``ring`` mode produces wrong weight gradi
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 
 import torch
 import torch.distributed as dist
 from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, Plugin, TorchDDPPlugin
 from colossalai.interface import OptimizerWrapper
 
-from colossal_rl.config import ConfigError, ParallelConfig, Precision
+from colossal_rl.config import ConfigError, ParallelConfig, resolve_precision
 from colossal_rl.training.cpu_compat import apply_cpu_compat_patches
+
+logger = logging.getLogger(__name__)
 
 # fp16 starts at 2**16: ColossalAI's ZeRO default of 2**32 overflows, skipping the first step.
 _FP16_INITIAL_SCALE = 2.0**16
-
-
-def default_precision(on_cpu: bool) -> Precision:
-    """fp32 on CPU (no bf16 tensor cores to gain from; results match fp32 references exactly), bf16 on GPU."""
-    return "fp32" if on_cpu else "bf16"
 
 
 def open_rendezvous_store(port: int, world_size: int, *, timeout_s: float = 600.0) -> dist.TCPStore:
@@ -80,7 +81,13 @@ def launch_colossalai(
         else:
             timeout = datetime.timedelta(seconds=timeout_s)
             store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend=accelerator.communication_backend, store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(  # without a timeout torch's default (10 minutes) bounds every collective, not --timeout
+        backend=accelerator.communication_backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     if accelerator.support_set_device:
         accelerator.set_device(None)
     set_seed(1024)
@@ -90,8 +97,17 @@ def launch_colossalai(
         raise RuntimeError(f"expected a {backend} process group (on_cpu={on_cpu}), ColossalAI started {actual}")
 
 
-def make_plugin(parallel: ParallelConfig, *, microbatch_size: int, max_norm: float, on_cpu: bool) -> Plugin:
-    """The plugin for ``parallel`` (see the module docstring); ``microbatch_size`` is the train micro-batch."""
+def make_plugin(
+    parallel: ParallelConfig, *, microbatch_size: int, max_norm: float, on_cpu: bool, vision_language: bool = False
+) -> Plugin:
+    """The plugin for ``parallel`` (see the module docstring); ``microbatch_size`` is the train micro-batch.
+    ``--precision auto`` is the device's (bf16 on GPU, fp32 on CPU), as the driver resolves it.
+
+    ``vision_language``: the policy is a vision-language model, which ColossalAI 0.5.0's ShardFormer has no
+    policy for (``HybridParallelPlugin`` raises NotImplementedError at boost, even at tp = pp = 1); its mixed
+    precision without ZeRO then runs on ``LowLevelZeroPlugin`` stage 1 (the same mixed-precision arithmetic,
+    fp32 master weights, with the optimizer states sharded over the data-parallel ranks)."""
+    parallel = dataclasses.replace(parallel, precision=resolve_precision(parallel.precision, on_gpu=not on_cpu))
     parallel.validate()
     if parallel.tp_size > 1 or parallel.pp_size > 1:
         return make_hybrid_plugin(parallel, microbatch_size=microbatch_size, max_norm=max_norm, on_cpu=on_cpu)
@@ -99,6 +115,11 @@ def make_plugin(parallel: ParallelConfig, *, microbatch_size: int, max_norm: flo
         return make_low_level_zero_plugin(parallel, max_norm=max_norm, on_cpu=on_cpu)
     if parallel.precision == "fp32":
         return TorchDDPPlugin()
+    if vision_language:
+        logger.info(
+            "a vision-language model in %s without ZeRO trains on LowLevelZeroPlugin stage 1", parallel.precision
+        )
+        return make_low_level_zero_plugin(dataclasses.replace(parallel, zero_stage=1), max_norm=max_norm, on_cpu=on_cpu)
     return make_hybrid_plugin(parallel, microbatch_size=microbatch_size, max_norm=max_norm, on_cpu=on_cpu)
 
 

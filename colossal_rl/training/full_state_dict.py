@@ -17,7 +17,7 @@ only its own layers; the merge is one ``gather_object`` over the pipeline group.
 
 The tensors are the working weights: bf16/fp16 in bf16/fp16 runs (not the fp32 masters), which is
 what the producers load. Without tensor parallelism they share storage with the live parameters:
-consume (send or copy) them before the next optimizer step.
+consume (send or copy) them before the next optimizer step. The merged pipeline dict is in host memory.
 """
 
 from __future__ import annotations
@@ -113,11 +113,15 @@ def strip_vocab_padding(state_dict: StateDict, model: torch.nn.Module) -> StateD
 
 
 def merge_pipeline_stages(stage_state_dict: StateDict, pp_group: dist.ProcessGroup) -> StateDict | None:
-    """Gather every stage's dict onto the group's first rank (a collective over ``pp_group``)."""
+    """Gather every stage's dict onto the group's first rank (a collective over ``pp_group``), in host memory.
+
+    Each stage moves its tensors to the host before the gather: pickled device tensors would be rebuilt on
+    the destination's GPU, stacking the whole model there beside its own stage and optimizer states."""
     destination = dist.get_process_group_ranks(pp_group)[0]
     is_destination = dist.get_rank() == destination
     gathered: list[StateDict | None] | None = [None] * dist.get_world_size(pp_group) if is_destination else None
-    dist.gather_object(stage_state_dict, gathered, dst=destination, group=pp_group)
+    on_host = {name: tensor.detach().cpu() for name, tensor in stage_state_dict.items()}
+    dist.gather_object(on_host, gathered, dst=destination, group=pp_group)
     if not is_destination:
         return None
     merged: StateDict = {}

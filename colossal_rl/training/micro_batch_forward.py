@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from colossal_rl.batch import RolloutBatch
-from colossal_rl.config import RLConfig
+from colossal_rl.config import PACKED_VISION_UNDER_FLASH_ATTENTION, RLConfig
 from colossal_rl.training import micro_batches
 from colossal_rl.training.objective import objective_for
 from colossal_rl.training.policy_forward import output_head_returns_hidden, response_terms, unwrap_model
@@ -42,7 +42,13 @@ class MicroBatchForward:
         vision-language policy's image tokens (``vision/rope.py``): batches with images then get multimodal
         positions and their images."""
         self.config = config
-        self.layout = config.sequence_layout
+        self.layout = config.sequence_layout_for(vision_language=rope_tokens is not None)
+        if (
+            self.layout == "packed"
+            and rope_tokens is not None
+            and config.train.attn_implementation == "flash_attention_2"
+        ):
+            raise ValueError(PACKED_VISION_UNDER_FLASH_ATTENTION)
         self.dtype = dtype
         self.pad_token_id = pad_token_id
         self.tp_group = tp_group

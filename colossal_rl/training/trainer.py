@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from colossal_rl.batch import RolloutBatch
-from colossal_rl.config import RLConfig
+from colossal_rl.config import RLConfig, with_device_precision
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.training.lr_schedule import ScheduleHorizon, make_lr_scheduler
 from colossal_rl.training.micro_batch_forward import MicroBatchForward
@@ -105,13 +105,13 @@ class Trainer:
         """``device``: where this rank trains; None takes the accelerator's current device at setup."""
         self.rank = rank
         self.world_size = world_size
-        self.config = config
+        self.on_cpu = not torch.cuda.is_available()
+        self.config = with_device_precision(config, on_gpu=not self.on_cpu)  # the driver resolved it already
         self.master_addr = master_addr
         self.master_port = master_port
         self.step = 0
         self.policy_version = 0
         """Weights version the trainer holds: rounds trained so far (bumped at each push)."""
-        self.on_cpu = not torch.cuda.is_available()
         self.device = None if device is None else torch.device(device)
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
         self.startup = PhaseRecorder()
@@ -120,7 +120,7 @@ class Trainer:
         """The run's total optimizer steps, for the learning-rate schedule (:meth:`set_total_steps`)."""
         self.sync_report: dict[str, float] | None = None
         """With LoRA: the bytes the weight sync moves against the full model's (set at the first sync)."""
-        self.objective = objective_for(config.algorithm)
+        self.objective = objective_for(self.config.algorithm)
         """The loss (``training/objective.py``) and what it needs: a reference model, pi_old, whole groups."""
 
     # ------------------------------------------------------------------ setup
@@ -170,10 +170,6 @@ class Trainer:
             self.device = training_device()
         torch.manual_seed(self.config.run.seed)
         parallel, train = self.config.parallel, self.config.train
-        self.plugin = plugin or make_plugin(
-            parallel, microbatch_size=train.microbatch_size, max_norm=train.max_norm, on_cpu=self.on_cpu
-        )
-        self.booster = Booster(plugin=self.plugin)
         dtype = _DTYPES[parallel.precision]
         with self.startup.record("model"):
             model = load_policy(
@@ -192,6 +188,14 @@ class Trainer:
             from colossal_rl.vision.models import freeze_vision_tower
 
             logger.info("froze the vision tower's %d parameter tensors", freeze_vision_tower(model))
+        self.plugin = plugin or make_plugin(
+            parallel,
+            microbatch_size=train.microbatch_size,
+            max_norm=train.max_norm,
+            on_cpu=self.on_cpu,
+            vision_language=is_vision_language_config(model.config),
+        )
+        self.booster = Booster(plugin=self.plugin)
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
         lr_scheduler = make_lr_scheduler(

@@ -91,17 +91,17 @@ class Layout:
 
 
 LAYOUTS = (
-    Layout("ddp", ParallelConfig(num_trainers=2), exact=True),
-    Layout("zero1", ParallelConfig(num_trainers=2, zero_stage=1)),
-    Layout("zero2", ParallelConfig(num_trainers=2, zero_stage=2)),
-    Layout("tp2", ParallelConfig(num_trainers=2, tp_size=2)),
-    Layout("pp2", ParallelConfig(num_trainers=2, pp_size=2)),
+    Layout("ddp", ParallelConfig(num_trainers=2, precision="fp32"), exact=True),
+    Layout("zero1", ParallelConfig(num_trainers=2, zero_stage=1, precision="fp32")),
+    Layout("zero2", ParallelConfig(num_trainers=2, zero_stage=2, precision="fp32")),
+    Layout("tp2", ParallelConfig(num_trainers=2, tp_size=2, precision="fp32")),
+    Layout("pp2", ParallelConfig(num_trainers=2, pp_size=2, precision="fp32")),
     Layout("hybrid_zero1_dp2", ParallelConfig(num_trainers=2, zero_stage=1, precision="bf16"), hybrid_plugin=True),
 )
 # bf16: LowLevelZero with one rank is plain mixed precision (bf16 model, fp32 master weights), like the hybrid
 # plugin's, but on the unmodified Hugging Face model (no shardformer).
 REFERENCES = {
-    "fp32": ParallelConfig(num_trainers=1),
+    "fp32": ParallelConfig(num_trainers=1, precision="fp32"),
     "bf16": ParallelConfig(num_trainers=1, zero_stage=1, precision="bf16"),
 }
 

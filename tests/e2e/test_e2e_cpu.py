@@ -161,6 +161,7 @@ def test_rl_example_cli_run_learns_logs_and_leaves_no_actors(tmp_path):
     _assert_startup_breakdown(run_dir, output, num_producers=2, num_trainers=2)
     kept = load_config_file(run_dir / "config.yaml")  # the run's resolved config, reusable with --config
     assert (kept.parallel.num_trainers, kept.train.batch_size, kept.schedule.max_steps) == (2, 4, 6)
+    assert kept.parallel.precision == "fp32" and "training precision fp32 (--precision auto)" in output  # no GPUs
     records = read_metrics(run_dir / "metrics.jsonl")
     (data,) = [r for r in records if r["kind"] == "data"]
     embedded_rows = len(EMBEDDED_TRAIN_DATA.read_text().splitlines())
@@ -185,8 +186,8 @@ def _assert_startup_breakdown(run_dir, output: str, *, num_producers: int, num_t
         "driver": [
             "python+flags",
             "inputs",
-            "metrics",
             "ray start",
+            "metrics",  # after Ray: --precision auto is resolved from the cluster's GPUs first
             "actors",
             "weight sync",
             "first round",

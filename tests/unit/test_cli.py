@@ -141,7 +141,7 @@ def test_single_field_errors_name_the_flag(argv, flag):
 
 def test_consumer_parallelism_flags_build_their_layout():
     parallel = config_for("-t", "2", "-tp", "2").parallel
-    assert (parallel.tp_size, parallel.dp_size, parallel.zero_stage, parallel.precision) == (2, 1, 0, "fp32")
+    assert (parallel.tp_size, parallel.dp_size, parallel.zero_stage, parallel.precision) == (2, 1, 0, "auto")
     assert config_for("-t", "2", "-zero", "1", "-tbs", "8", "-tMbs", "8").parallel.zero_stage == 1  # fp32 ZeRO
     assert config_for("-t", "2", "-tp", "2", "-zero", "1", "--precision", "bf16").parallel.precision == "bf16"
     pipeline = config_for("-t", "2", "-pp", "2", "-tbs", "8", "-tMbs", "8").parallel
@@ -157,8 +157,8 @@ def test_pipeline_needs_enough_micro_batches():
 
 
 def test_zero_with_tensor_parallelism_asks_for_low_precision():
-    message = usage_error("-t", "2", "-tp", "2", "-zero", "1")
-    assert message.startswith("--precision:") and "bf16" in message
+    message = usage_error("-t", "2", "-tp", "2", "-zero", "1", "--precision", "fp32")
+    assert message.startswith("--precision:") and "bf16" in message  # auto: tests/unit/test_precision_default.py
     assert usage_error("-t", "3", "-tp", "2").startswith("-t/--num-trainers:")
 
 
