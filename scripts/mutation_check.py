@@ -362,6 +362,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         old="                if checksum != self.checksum:\n",
         new="                if False:\n",
         tests=("tests/unit/test_weight_sync_modes.py::test_shm_receiver_refuses_a_version_written_for_another_layout",),
+    ),
+    Mutation(
         name="gpu_runs_default_to_fp32",
         why="--precision auto resolves to fp32 on GPUs too (GPU runs train in fp32 unless told otherwise)",
         path="colossal_rl/config.py",
