@@ -160,9 +160,14 @@ def env_python(directory: Path) -> Path:
 def is_complete(directory: Path, spec: ProducerEnvSpec) -> bool:
     marker = directory / COMPLETE_MARKER
     try:
-        return json.loads(marker.read_text()) == asdict(spec) and env_python(directory).exists()
+        recorded = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
+    return recorded == json.loads(json.dumps(asdict(spec))) and env_python(directory).exists()  # tuples as lists
+
+
+def mark_complete(directory: Path, spec: ProducerEnvSpec) -> None:
+    (directory / COMPLETE_MARKER).write_text(json.dumps(asdict(spec), indent=1))
 
 
 def build_steps(spec: ProducerEnvSpec, directory: Path) -> list[tuple[str, list[str]]]:
@@ -257,7 +262,7 @@ def ensure_producer_env(kind: EnvKind | None = None, *, lock_timeout_s: float = 
             _run_step(what, command, log_path)
             if number == 0 and spec.constraints:  # the virtualenv exists: the constraints file goes in it
                 (directory / "constraints.txt").write_text(spec.constraints)
-        (directory / COMPLETE_MARKER).write_text(json.dumps(asdict(spec), indent=1))
+        mark_complete(directory, spec)
         logger.info("producer environment ready in %.0fs: %s", time.monotonic() - started, directory)
         return env_python(directory)
     finally:
