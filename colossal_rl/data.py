@@ -9,6 +9,7 @@ model's pre-training all share, so the model always sees the token sequence it w
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,11 @@ def build_messages(row_messages: Any, system_prompt: str | None) -> list[dict[st
 
 def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a chat prompt, ending with the assistant turn's opening (the generation prompt)."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    # return_dict=False: transformers 5 (the vLLM producers' environment) returns a BatchEncoding by default.
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    return [int(token) for token in ids]
 
 
 @dataclass(frozen=True)

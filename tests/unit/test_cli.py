@@ -348,9 +348,11 @@ def test_master_address_is_checked_before_ray_starts():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: this checks its absence")
-def test_main_vllm_without_vllm_is_one_error_line_saying_what_to_install(caplog, capsys):
-    message = run_main_expecting_input_error(["-b", "vllm"], caplog, capsys)
-    assert 'pip install -e ".[gpu]"' in message
+def test_main_vllm_without_its_producer_environment_is_one_error_line_before_ray(caplog, capsys, monkeypatch, tmp_path):
+    missing = tmp_path / "no-env" / "bin" / "python"
+    monkeypatch.setenv("COLOSSAL_RL_PRODUCER_PYTHON", str(missing))
+    message = run_main_expecting_input_error(["-b", "vllm", "-sd", str(tmp_path / "runs")], caplog, capsys)
+    assert message == f"COLOSSAL_RL_PRODUCER_PYTHON={missing}: no such interpreter"
 
 
 def test_thread_flags_reach_the_run_config():

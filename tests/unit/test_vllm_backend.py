@@ -207,6 +207,13 @@ def test_engine_arguments_come_from_the_config_and_are_vllm_arguments():
     )
 
 
+def test_chunked_prefill_is_off_on_cpu_where_seeded_requests_would_kill_the_engine():
+    engine = VllmEngineConfig(enable_chunked_prefill=True)
+    assert engine_kwargs("m", engine, tensor_parallel_size=1, seed=0, max_len=None)["enable_chunked_prefill"] is True
+    on_cpu = engine_kwargs("m", engine, tensor_parallel_size=1, seed=0, max_len=None, on_cpu=True)
+    assert on_cpu["enable_chunked_prefill"] is False
+
+
 def test_engine_arguments_of_a_vision_language_model():
     engine = VllmEngineConfig()  # chunked prefill on
     kwargs = engine_kwargs(

@@ -53,7 +53,12 @@ def run_case(case: dict) -> dict:
                               tensor_parallel_size=case.get("tensor_parallel_size", 1))  # fmt: skip
     except Exception as error:  # what a user would see: the one line the backend raises
         return {"start_error": str(error)}
+    from colossal_rl.data import encode_prompt
+
     result = {"start_s": time.perf_counter() - started, "before": generate_all(backend, case)}
+    # What the producer feeds the engine and scores: its tokenizer here runs on transformers 5.
+    result["encoded"] = [encode_prompt(backend.tokenizer, messages) for messages in case.get("messages", [])]
+    result["decoded"] = backend.tokenizer.batch_decode(case.get("decode", []), skip_special_tokens=True)
     if case.get("weights"):
         weights = load_file(case["weights"])
         started = time.perf_counter()

@@ -38,6 +38,10 @@ MAX_NEW_TOKENS = 12
 LOGPROB_TOLERANCE = 2e-4
 """fp32 on both sides; vLLM's CPU kernels and torch's SDPA differ in summation order only."""
 STOP_STRING = "1"
+MESSAGES = [
+    [{"role": "system", "content": "Add."}, {"role": "user", "content": "12+3="}],
+    [{"role": "user", "content": "7+8="}],
+]
 
 
 def tokenizer_files(source: Path, target: Path) -> None:
@@ -106,6 +110,7 @@ def engine_run(producer_python, tmp_path_factory):
             "name": name, "model": str(directory), "prompts": prompts_of(directory), "temperature": TEMPERATURE,
             "max_new_tokens": MAX_NEW_TOKENS, "stop_strings": [STOP_STRING], "weights": str(root / f"{name}.safetensors"),
             "lora_names": ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
+            "messages": MESSAGES, "decode": [[5, 6, 7, 0], [2, 38, 73, 4, 9]],
         })  # fmt: skip
     cases.append({"name": "head_dim_16", "model": str(bad), "prompts": prompts_of(bad), "temperature": 1.0,
                   "max_new_tokens": 4, "stop_strings": []})  # fmt: skip
@@ -214,3 +219,13 @@ def test_a_model_vllm_cannot_serve_fails_in_one_line_naming_it(engine_run):
     error = engine_run["results"]["head_dim_16"]["start_error"]
     assert "the vLLM engine cannot serve" in error and "head_dim_16" in error and "this model has 16" in error
     assert "\n" not in error
+
+
+def test_the_producers_environment_encodes_and_decodes_as_the_trainers_does(engine_run):
+    """transformers 5 there, 4.51 here: the same chat-template ids (with the generation prompt) and texts."""
+    from colossal_rl.data import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    result = engine_run["results"]["qwen2"]
+    assert result["encoded"] == [encode_prompt(tokenizer, messages) for messages in MESSAGES]
+    assert result["decoded"] == tokenizer.batch_decode([[5, 6, 7, 0], [2, 38, 73, 4, 9]], skip_special_tokens=True)
