@@ -73,14 +73,17 @@ class BufferActor:
         group_tokens: tuple[int, ...] = (),
         redelivery: bool = False,
     ) -> None:
-        """``redelivery``: from a restarted producer regenerating its rounds; a share already here is kept."""
+        """``redelivery``: from a restarted producer regenerating its rounds; a share already here is kept.
+
+        ``payload``: [a handle to the batch's bytes (``comm/wire.py``)] or []. The buffer copies them into an object
+        it owns, so the rollouts outlive a producer that dies before they are trained (Ray 2.56 removed
+        ``ray.put(..., _owner=...)``, which let the producer make the buffer the owner)."""
         if redelivery and self._buffer.has_delivery(round_index, producer_rank):
             logger.info("buffer: producer %d's round %d is already here; its redelivery is dropped",
                         producer_rank, round_index)  # fmt: skip
             return
-        self._buffer.put(
-            round_index, producer_rank, payload[0] if payload else None, num_groups, policy_version, group_tokens
-        )
+        owned = ray.put(await payload[0]) if payload else None
+        self._buffer.put(round_index, producer_rank, owned, num_groups, policy_version, group_tokens)
         self._arrivals.setdefault(round_index, {})[producer_rank] = time.time()
         while len(self._arrivals) > 8:
             del self._arrivals[min(self._arrivals)]
@@ -119,9 +122,10 @@ class BufferActor:
 def assemble_steps(assignment: Assignment, groups_per_step: int, pad_token_id: int) -> list[RolloutBatch]:
     """Fetch the payloads of an assignment and cut them into one batch per optimizer step."""
     from colossal_rl.batch import concat_batches
+    from colossal_rl.comm import wire
 
     unique = {id(g.payload): g.payload for g in assignment.groups}
-    fetched = dict(zip(unique, ray.get(list(unique.values())), strict=True))
+    fetched = {key: wire.decode(data) for key, data in zip(unique, ray.get(list(unique.values())), strict=True)}
     steps = []
     for step in range(assignment.num_steps):
         groups = assignment.groups[step * groups_per_step : (step + 1) * groups_per_step]
@@ -227,13 +231,15 @@ class ProducerActor:
         self.awaiting_weights = False
 
     def produce(self, round_index: int, buffer) -> dict[str, float]:
+        from colossal_rl.comm import wire
         from colossal_rl.comm.token_balance import group_token_costs
 
         self._check_weights()
         batch, metrics = self.producer.produce(round_index)
         with self.producer.phases.record("put"):
-            # Owned by the buffer: the rollouts outlive this producer if it dies before they are trained.
-            payload = [ray.put(batch, _owner=buffer)] if batch is not None else []
+            # As bytes any torch build reads (comm/wire.py); the buffer copies them into an object it owns, so the
+            # rollouts outlive this producer if it dies before they are trained.
+            payload = [ray.put(wire.encode(batch))] if batch is not None else []
             groups = batch.num_groups if batch is not None else 0
             shared_prompt = self.config.sequence_layout == "shared_prompt"
             costs = tuple(group_token_costs(batch, shared_prompt=shared_prompt)) if batch is not None else ()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoProcessor
 
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.decoding import StopStringWatch, sample_responses
+from colossal_rl.rollout.tokenizer_loading import load_tokenizer
 from colossal_rl.vision.inputs import VisionInputs, model_vision_kwargs
 from colossal_rl.vision.models import auto_model_class, is_vision_language_config
 from colossal_rl.vision.rope import RopeTokens, padded_positions
@@ -86,7 +87,7 @@ class TransformersBackend:
             self.tokenizer = self.processor.tokenizer
             self.rope_tokens = RopeTokens.of(config)
         else:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            self.tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.model = auto_model_class(config).from_pretrained(
             model_path, torch_dtype=dtype, trust_remote_code=trust_remote_code
         )

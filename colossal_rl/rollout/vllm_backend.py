@@ -34,11 +34,12 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoProcessor, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoProcessor, GenerationConfig
 
 from colossal_rl.config import VllmEngineConfig
 from colossal_rl.rollout import vllm_weights
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
+from colossal_rl.rollout.tokenizer_loading import load_tokenizer
 from colossal_rl.rollout.transformers_backend import left_pad
 from colossal_rl.vision.inputs import VisionInputs
 from colossal_rl.vision.models import is_vision_language_config
@@ -369,7 +370,7 @@ class VllmBackend:
             self.tokenizer = self.processor.tokenizer
             self.image_tokens = RopeTokens.of(self.hf_config)
         else:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            self.tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         vllm_weights.check_architecture(getattr(self.hf_config, "architectures", None))
         self.architecture = vllm_weights.known_architecture(getattr(self.hf_config, "architectures", None))
         generation_eos = _generation_eos_token_id(model_path, self.hf_config)

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from colossal_rl.config import EMBEDDED_MODEL_DIR
+from colossal_rl.prompts import system_prompt_for
 from colossal_rl.training.policy_forward import response_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -38,10 +39,11 @@ MAX_NEW_TOKENS = 12
 LOGPROB_TOLERANCE = 2e-4
 """fp32 on both sides; vLLM's CPU kernels and torch's SDPA differ in summation order only."""
 STOP_STRING = "1"
-MESSAGES = [
-    [{"role": "system", "content": "Add."}, {"role": "user", "content": "12+3="}],
+MESSAGES = [  # the default run's system prompt has spaces: transformers 5 once dropped them all
+    [{"role": "system", "content": system_prompt_for("boxed", None)}, {"role": "user", "content": "12 + 3 ="}],
     [{"role": "user", "content": "7+8="}],
 ]
+DECODED_IDS = [[5, 6, 7, 0], [2, 38, 5, 73, 4, 9, 5, 5]]
 
 
 def tokenizer_files(source: Path, target: Path) -> None:
@@ -110,7 +112,7 @@ def engine_run(producer_python, tmp_path_factory):
             "name": name, "model": str(directory), "prompts": prompts_of(directory), "temperature": TEMPERATURE,
             "max_new_tokens": MAX_NEW_TOKENS, "stop_strings": [STOP_STRING], "weights": str(root / f"{name}.safetensors"),
             "lora_names": ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
-            "messages": MESSAGES, "decode": [[5, 6, 7, 0], [2, 38, 73, 4, 9]],
+            "messages": MESSAGES, "decode": DECODED_IDS,
         })  # fmt: skip
     cases.append({"name": "head_dim_16", "model": str(bad), "prompts": prompts_of(bad), "temperature": 1.0,
                   "max_new_tokens": 4, "stop_strings": []})  # fmt: skip
@@ -228,4 +230,5 @@ def test_the_producers_environment_encodes_and_decodes_as_the_trainers_does(engi
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
     result = engine_run["results"]["qwen2"]
     assert result["encoded"] == [encode_prompt(tokenizer, messages) for messages in MESSAGES]
-    assert result["decoded"] == tokenizer.batch_decode([[5, 6, 7, 0], [2, 38, 73, 4, 9]], skip_special_tokens=True)
+    assert result["decoded"] == tokenizer.batch_decode(DECODED_IDS, skip_special_tokens=True)
+    assert " " in result["decoded"][1]
