@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -194,15 +195,22 @@ def build_steps(spec: ProducerEnvSpec, directory: Path) -> list[tuple[str, list[
     return steps
 
 
-def _run_step(what: str, command: list[str], log_path: Path) -> None:
+STEP_TIMEOUT_S = 1800.0
+"""Bound on one build step (pip resolving and downloading vLLM's dependencies takes 2-4 minutes here)."""
+
+
+def _run_step(what: str, command: list[str], log_path: Path, timeout_s: float = STEP_TIMEOUT_S) -> None:
     """Run one step, streaming its output to the log file and (one line in twenty, plus the tail) to ``logger``."""
     logger.info("producer environment: %s", what)
+    started = time.monotonic()
     tail: deque[str] = deque(maxlen=15)
     with log_path.open("a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(command)}\n")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env={**os.environ, "PIP_PROGRESS_BAR": "off", "PYTHONUNBUFFERED": "1"})  # fmt: skip
         assert process.stdout is not None
+        watchdog = threading.Timer(timeout_s, process.kill)  # the line loop below ends when the process dies
+        watchdog.start()
         try:
             for number, line in enumerate(process.stdout):
                 log.write(line)
@@ -211,9 +219,13 @@ def _run_step(what: str, command: list[str], log_path: Path) -> None:
                     logger.info("producer environment: %s", line.rstrip()[:200])
             code = process.wait()
         finally:  # interrupted (Ctrl-C, a test's timeout): no pip left writing into the environment
+            watchdog.cancel()
             if process.poll() is None:
                 process.kill()
                 process.wait()
+    if code != 0 and time.monotonic() - started >= timeout_s:
+        raise ProducerEnvError(f"building the vLLM producer environment: '{what}' took over {timeout_s:.0f}s and was "
+                               f"stopped; full log: {log_path}")  # fmt: skip
     if code != 0:
         raise ProducerEnvError(
             f"building the vLLM producer environment failed at '{what}' (exit {code}); full log: {log_path}\n"

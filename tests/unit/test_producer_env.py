@@ -111,3 +111,8 @@ def test_vllm_producers_run_with_their_environments_python_and_the_others_need_n
     assert options["runtime_env"]["py_executable"] == str(env_python(env_dir(spec)))
     assert options["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # cores shared with trainers
     assert producer_env_vars("gpu")["NCCL_CUMEM_ENABLE"] == "0"  # as vLLM sets it; the trainers set the same
+
+
+def test_a_step_that_hangs_is_stopped_at_its_bound(cache):
+    with pytest.raises(ProducerEnvError, match=r"'resolve' took over 1s and was stopped"):
+        producer_env._run_step("resolve", [sys.executable, "-c", "import time; time.sleep(60)"], cache / "b.log", 1.0)

@@ -50,7 +50,9 @@ def eight_gpu_nodes(count: int) -> list[NodeInfo]:
 
 
 def test_readme_gpu_command_lines_build_valid_configs(monkeypatch):
-    single, multi = example_configs(monkeypatch)
+    qwen3, single, multi = example_configs(monkeypatch)
+    assert (qwen3.generation.backend, qwen3.model.path) == ("vllm", "Qwen/Qwen3-1.7B")
+    assert qwen3.validate() is qwen3 and qwen3.parallel.precision == "bf16"
     assert (single.generation.backend, single.algorithm.name, single.parallel.num_trainers) == ("vllm", "DAPO", 4)
     assert single.data.system_prompt.endswith(r"within \boxed{}.")
     assert (multi.generation.backend, multi.generation.tensor_parallel_size) == ("vllm", 2)
@@ -61,9 +63,9 @@ def test_readme_gpu_command_lines_build_valid_configs(monkeypatch):
 
 
 def test_readme_gpu_layouts_fill_one_and_two_8_gpu_nodes(monkeypatch):
-    single, multi = example_configs(monkeypatch)
+    qwen3, single, multi = example_configs(monkeypatch)
     placements = []
-    for config, node_count in ((single, 1), (multi, 2)):
+    for config, node_count in ((qwen3, 1), (single, 1), (multi, 2)):
         placement = plan_placement(
             eight_gpu_nodes(node_count),
             num_producers=config.schedule.num_producers,
@@ -73,13 +75,13 @@ def test_readme_gpu_layouts_fill_one_and_two_8_gpu_nodes(monkeypatch):
         used = sum(actor.num_gpus for actor in placement.producers + placement.trainers)
         assert used == 8 * node_count, "the example should use every GPU it describes"
         placements.append(placement)
-    two_nodes = placements[1]  # "4 producers with 2 GPUs each fill node 0, 8 trainers fill node 1"
+    two_nodes = placements[2]  # "4 producers with 2 GPUs each fill node 0, 8 trainers fill node 1"
     assert {p.node_id for p in two_nodes.producers} == {"node0"}
     assert {t.node_id for t in two_nodes.trainers} == {"node1"}
 
 
 def test_readme_multi_node_lines_join_the_cluster_ray_start_made(monkeypatch):
-    _, multi = example_configs(monkeypatch)
+    _, _, multi = example_configs(monkeypatch)
     lines = shell_lines()
     (head,) = [line for line in lines if line.startswith("ray start --head")]
     (worker,) = [line for line in lines if line.startswith("ray start --address=")]
@@ -97,13 +99,19 @@ def setup_requirements() -> tuple[list[str], list[str]]:
     return keywords["install_requires"], keywords["extras_require"]["gpu"]
 
 
-@pytest.mark.parametrize("package", ["ray[default]", "numpy", "vllm", "cupy-cuda12x"])
+@pytest.mark.parametrize("package", ["ray[default]", "cupy-cuda12x"])
 def test_readme_states_setup_pins(package):
     install_requires, gpu_extra = setup_requirements()
     (requirement,) = [r for r in install_requires + gpu_extra if re.split(r"[=<>]", r, maxsplit=1)[0] == package]
     name, version = re.match(r"([\w\-\[\]]+?)(?:\[\w+\])?(==|<)(.+)", requirement).group(1, 3)
-    stated = {"ray": f"Ray {version}", "numpy": f"numpy<{version}", "vllm": f"vLLM {version}"}.get(
-        name, f"{name} {version}"
-    )
+    stated = {"ray": f"Ray {version}"}.get(name, f"{name} {version}")
     assert stated in gpu_section(), f"README's GPU section does not state setup.py's {requirement}"
     assert 'pip install -e ".[gpu]"' in shell_lines()[0]
+
+
+def test_readme_states_the_producers_vllm_pins():
+    from colossal_rl.producer_env import VLLM_PACKAGES, VLLM_VERSION
+
+    assert f"vllm {VLLM_VERSION}" in gpu_section()
+    assert "cupy-cuda12x==14.2.0" in VLLM_PACKAGES["gpu"]  # the same cupy as the trainers' gpu extra
+    assert "cupy-cuda12x==14.2.0" in setup_requirements()[1]
