@@ -9,6 +9,14 @@ the number of rollout rounds after which vLLM's start-up has paid for itself,
 ``start_vllm - start_tf`` / (``round_tf`` - ``round_vllm``).
 
     python benchmarks/vllm_producer.py [--reps 5] [--threads 1]
+    python benchmarks/vllm_producer.py --full-runs    # the default run (python rl_example.py) with each backend
+    python benchmarks/vllm_producer.py --sync         # a weight load into the engine: RPC transport vs whole load
+
+``--sync`` builds a random 8-layer Qwen2 (hidden 512, ~100 MB in fp32) and loads its weights into the engine the way
+every sync does (``VllmBackend.load_weights``: pack, ``collective_rpc``, in-place reload in the worker), and sends the
+same packed bytes through ``collective_rpc`` to a method that only unpacks them: the difference is what a
+worker-side receive (the worker joining the weight-sync group itself) could save at most, next to the broadcast
+that both need (``weight_sync.py`` measures that).
 
 The vLLM side needs the producers' environment (built on first use, like ``-b vllm``).
 """
@@ -82,12 +90,99 @@ def ask(worker: subprocess.Popen, request: dict | None = None) -> dict:
             return json.loads(line)
 
 
+def sync_cost(model_dir: str, reps: int) -> None:
+    """Worker side of ``--sync`` (runs in the producers' environment)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from colossal_rl.config import VllmEngineConfig
+    from colossal_rl.rollout import vllm_weights
+    from colossal_rl.rollout.backend import create_backend
+
+    backend = create_backend(
+        "vllm", model_dir, weights_dtype="float32", vllm_engine=VllmEngineConfig(max_model_len=128)
+    )
+    weights = {name: tensor + 0.01 for name, tensor in load_file(f"{model_dir}/model.safetensors").items()}
+    megabytes = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    full, transport = [], []
+    for _ in range(reps):
+        started = time.perf_counter()
+        backend.load_weights(weights)
+        full.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        packed = vllm_weights.pack_tensors(weights.items())
+        backend.llm.collective_rpc("colossal_rl_unpack_only", args=(packed,))
+        transport.append(time.perf_counter() - started)
+    full_s, transport_s = statistics.median(full), statistics.median(transport)
+    print(f"weights {megabytes:.0f} MiB: whole load {full_s:.3f}s (median of {reps}), pack + RPC + unpack "
+          f"{transport_s:.3f}s = {transport_s / full_s:.0%} of it ({megabytes / transport_s:.0f} MiB/s)")  # fmt: skip
+    torch.manual_seed(0)
+
+
+def build_sync_model(directory: Path) -> None:
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from colossal_rl.config import EMBEDDED_MODEL_DIR
+
+    config = Qwen2Config(vocab_size=102, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=256,
+                         tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    for path in EMBEDDED_MODEL_DIR.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(path, directory / path.name)
+
+
+def full_runs() -> None:
+    """``python rl_example.py`` as shipped, then with ``-b vllm``: wall time, time to the first rollouts, eval lift."""
+    import glob
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[1]
+    print("| backend | wall (s) | first rollouts (s) | eval accuracy before -> after |")
+    print("|---|---|---|---|")
+    for backend in ("transformers", "vllm"):
+        with tempfile.TemporaryDirectory() as save_dir:
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "rl_example.py", "-b", backend, "--no-wandb", "-sd", save_dir], cwd=repo,
+                           check=True, capture_output=True, timeout=1800)  # fmt: skip
+            wall = time.perf_counter() - started
+            (metrics,) = glob.glob(f"{save_dir}/*/metrics.jsonl")
+            evals = [r for r in map(json.loads, Path(metrics).read_text().splitlines()) if r["kind"] == "eval"]
+            first = json.loads(Path(metrics).with_name("startup.json").read_text())["time_to_first_rollout_s"]
+            before, after = evals[0]["eval/math_accuracy"], evals[-1]["eval/math_accuracy"]
+            print(f"| {backend} | {wall:.0f} | {first:.1f} | {before:.3f} -> {after:.3f} |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each backend's process")
+    parser.add_argument("--full-runs", action="store_true", help="time the whole default run with each backend")
+    parser.add_argument("--sync", action="store_true", help="a weight load into the engine: RPC share of it")
     parser.add_argument("--serve", choices=("vllm", "transformers"), help=argparse.SUPPRESS)
+    parser.add_argument("--sync-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.full_runs:
+        full_runs()
+        return 0
+    if args.sync_model:
+        sync_cost(args.sync_model, args.reps)
+        return 0
+    if args.sync:
+        import tempfile
+
+        from colossal_rl.producer_env import ensure_producer_env, producer_env_vars
+
+        with tempfile.TemporaryDirectory() as directory:
+            build_sync_model(Path(directory))
+            command = [str(ensure_producer_env()), __file__, "--sync-model", directory, "--reps", str(args.reps)]
+            subprocess.run(command, check=True, env=os.environ | producer_env_vars("cpu"), timeout=1200)
+        return 0
     if args.serve:
         serve(args.serve, args.threads)
         return 0
