@@ -453,6 +453,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="    on_host = stage_state_dict\n",
         tests=("tests/unit/test_pipeline_gather.py::test_each_stage_reaches_the_gather_on_the_host",),
     ),
+    Mutation(
+        name="lora_base_read_from_the_engine",
+        why="a LoRA sync merges adapters into weights read back from the engine, which a -ptp 2 vLLM engine refuses",
+        path="colossal_rl/rollout/producer.py",
+        old="            self._lora_base = self.backend.base_weights(targets)\n",
+        new="            self._lora_base = {n: t for n, t in self.backend.named_weights().items() if n in targets}\n",
+        tests=(
+            "tests/unit/test_lora.py::test_a_lora_sync_merges_into_checkpoint_weights_without_reading_a_tensor_parallel_engine",
+        ),
+    ),
+    Mutation(
+        name="producer_env_marker_compared_as_tuples",
+        why="a built producer environment is never recognised (its JSON marker compared with tuples): rebuilt every run",
+        path="colossal_rl/producer_env.py",
+        old="    return recorded == json.loads(json.dumps(asdict(spec))) and env_python(directory).exists()  # tuples as lists\n",
+        new="    return recorded == asdict(spec) and env_python(directory).exists()\n",
+        tests=("tests/unit/test_producer_env.py::test_an_environment_marked_complete_is_found_again_without_building",),
+    ),
+    Mutation(
+        name="stale_cpu_kernel_after_reload",
+        why="after vLLM's in-place reload the CPU backend's tied output layer keeps the kernel built from old weights",
+        path="colossal_rl/rollout/vllm_weights.py",
+        old="        refresh_kept_cpu_kernels(model)\n",
+        new="",
+        tests=("tests/unit/test_vllm_weights.py::test_a_reload_rebuilds_the_kernels_of_kept_weights",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

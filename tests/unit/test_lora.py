@@ -136,3 +136,29 @@ def test_target_modules_that_match_nothing_are_refused():
     model = AutoModelForCausalLM.from_pretrained(RLConfig().model.path)
     with pytest.raises(ValueError, match="no_such_proj"):
         add_lora_adapters(model, TrainConfig(lora_rank=4, lora_target_modules="no_such_proj"))
+
+
+class TensorParallelEngine:
+    """A producer backend over 2 tensor-parallel workers, like ``VllmBackend`` with ``-ptp 2``: no unsharded read."""
+
+    def named_weights(self):
+        raise NotImplementedError("named_weights reads one unsharded worker: use -ptp 1 for weight checks")
+
+    def base_weights(self, names):
+        from colossal_rl.rollout.vllm_weights import checkpoint_weights
+
+        return checkpoint_weights(RLConfig().model.path, names)
+
+
+def test_a_lora_sync_merges_into_checkpoint_weights_without_reading_a_tensor_parallel_engine(trained):
+    """Issue 33 item 4: the producer's merge used to read the engine's weights, which a -ptp 2 engine refuses."""
+    from colossal_rl.rollout.producer import Producer
+
+    producer = Producer.__new__(Producer)
+    producer.backend, producer.config, producer._lora_base = TensorParallelEngine(), trained.config, None
+    adapters = trained.stage_state_dict()
+    merged = producer._merge_adapters(adapters)
+    expected = merge_adapters(_base_weights(), adapters, scaling=LORA["lora_alpha"] / LORA["lora_rank"])
+    assert merged.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert_close(merged[name], tensor)

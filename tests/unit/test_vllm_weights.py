@@ -385,3 +385,26 @@ def test_lora_base_weights_come_from_the_checkpoint_with_a_tied_output_layer(tmp
     )
     with pytest.raises(KeyError, match="model.layers.9.q.weight"):
         checkpoint_weights(str(tmp_path), {"model.layers.9.q.weight"})
+
+
+def test_views_into_shared_memory_cross_the_rpc_as_plain_bytes(tmp_path):
+    """Issue 33 item 7: views into ``torch.from_file(shared=True)`` storage (``--weight-sync-mode shm``) failed to
+    pickle through vLLM 0.7's worker queues; the V1 backend sends packed bytes, which pickle like any bytes."""
+    import pickle
+
+    region = torch.from_file(str(tmp_path / "region"), shared=True, size=64, dtype=torch.float32)
+    region.copy_(torch.arange(64, dtype=torch.float32))
+    views = [("a.weight", region[:48].view(6, 8)), ("b.weight", region[48:].view(4, 4))]
+    packed = pickle.loads(pickle.dumps(pack_tensors(views)))
+    for (name, original), (back_name, back) in zip(views, unpack_tensors(packed), strict=True):
+        assert back_name == name and torch.equal(back, original)
+
+
+def test_a_reload_rebuilds_the_kernels_of_kept_weights():
+    """The real engine showed it (tests/vllm_engine): without the rebuild a tied output layer computes with the
+    weights it was first loaded with."""
+    model = torch.nn.Module()
+    model.lm_head = KeptKernelLayer(4)
+    worker = ReloadingWorker(model)
+    assert load_weights_on_worker(worker, [("lm_head.weight", torch.zeros(4))]) == []
+    assert worker.reloads == [(["lm_head.weight"], True)] and model.lm_head.processed == 1
