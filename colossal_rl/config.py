@@ -598,12 +598,7 @@ class RLConfig:
         self.reward.validate()
         self.data.validate()
         self._validate_batch_arithmetic()
-        _require(
-            not (self.train.attn_implementation == "flash_attention_2" and self.parallel.precision == "fp32"),
-            "train.attn_implementation",
-            "flash_attention_2 runs in bf16 or fp16 only, and the training precision is fp32: use --precision bf16 "
-            "(auto's choice on GPUs), or sdpa",
-        )
+        _require_low_precision_for_flash_attention(self)
         _require(
             self.train.lora_rank == 0 or (self.parallel.tp_size == 1 and self.parallel.pp_size == 1),
             "train.lora_rank",
@@ -689,16 +684,27 @@ def resolve_precision(precision: PrecisionChoice, *, on_gpu: bool) -> Precision:
     return "bf16" if on_gpu else "fp32"
 
 
+def _require_low_precision_for_flash_attention(config: RLConfig) -> None:
+    _require(
+        not (config.train.attn_implementation == "flash_attention_2" and config.parallel.precision == "fp32"),
+        "train.attn_implementation",
+        "flash_attention_2 runs in bf16 or fp16 only, and the training precision is fp32: use --precision bf16 "
+        "(auto's choice on GPUs), or sdpa",
+    )
+
+
 def with_device_precision(config: RLConfig, *, on_gpu: bool) -> RLConfig:
-    """``config`` with ``parallel.precision`` resolved for trainers on GPUs (``on_gpu``) or CPUs, validated again
-    (ZeRO with TP/PP and flash_attention_2 need a low precision)."""
+    """``config`` with ``parallel.precision`` resolved for trainers on GPUs (``on_gpu``) or CPUs, and the checks that
+    depend on the precision made again (ZeRO with TP/PP and flash_attention_2 need a low precision); nothing else
+    is validated here (a trainer built from a partial config in tests must not fail on unrelated fields)."""
     precision = resolve_precision(config.parallel.precision, on_gpu=on_gpu)
     if precision == config.parallel.precision:
         return config
     try:
-        return dataclasses.replace(
-            config, parallel=dataclasses.replace(config.parallel, precision=precision)
-        ).validate()
+        resolved = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, precision=precision))
+        resolved.parallel.validate()
+        _require_low_precision_for_flash_attention(resolved)
+        return resolved
     except ConfigError as error:
         where = "the trainers run on GPUs" if on_gpu else "no GPUs: the trainers run on CPU"
         raise ConfigError(error.field_path, f"{error.message} (precision auto is {precision}: {where})") from None
