@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -406,6 +407,9 @@ class VllmBackend:
             raise RuntimeError(engine_start_failure(model_path, error)) from error
         logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s)", self.vllm_version, model_path,
                     tensor_parallel_size, max_len)  # fmt: skip
+        self._closing = False
+        self._watchdog = EngineWatchdog(on_death=self._engine_died)
+        self._watchdog.start()
 
     def generate(
         self,
@@ -488,8 +492,20 @@ class VllmBackend:
         from disk, so it works with any tensor-parallel size."""
         return vllm_weights.checkpoint_weights(self.model_path, names)
 
+    def _engine_died(self, pids: list[int]) -> None:
+        """The engine core died under us: a call into it would block, so this process ends and Ray restarts the
+        producer (``--max-actor-restarts``), which starts a new engine and gets the current weights back."""
+        if self._closing:
+            return
+        logger.error("the vLLM engine died (engine process %s gone): this producer exits so that Ray restarts it",
+                     pids)  # fmt: skip
+        logging.shutdown()
+        os._exit(1)
+
     def close(self) -> None:
         """Stop the engine core and its workers now (they also exit when this process does)."""
+        self._closing = True
+        self._watchdog.stop()
         shutdown = getattr(self.llm, "shutdown", None) or getattr(self.llm.llm_engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -510,6 +526,51 @@ def unservable_reason(hf_config: Any, *, on_cpu: bool, supported_architectures: 
     if on_cpu and head_dim not in CPU_ATTENTION_HEAD_SIZES:
         return f"vLLM's CPU attention takes head_dim {list(CPU_ATTENTION_HEAD_SIZES)}, this model has {head_dim}"
     return None
+
+
+class EngineWatchdog:
+    """Watches the engine's processes (this process's children when the engine started) from a daemon thread and
+    calls ``on_death(pids)`` once if any of them is gone. vLLM's client otherwise waits for outputs from a dead
+    engine core until the caller's timeout (measured: a producer's ``evaluate`` waited out ``--timeout``)."""
+
+    def __init__(self, on_death: Callable[[list[int]], None], interval_s: float = 1.0):
+        import psutil
+
+        self.children = [child for child in psutil.Process().children(recursive=True) if _is_engine_process(child)]
+        self.on_death = on_death
+        self.interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="vllm-engine-watchdog", daemon=True)
+
+    def start(self) -> None:
+        if self.children:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            gone = [child.pid for child in self.children if not _alive(child)]
+            if gone and not self._stopped.is_set():
+                self.on_death(gone)
+                return
+
+
+def _is_engine_process(process: Any) -> bool:
+    try:
+        return "EngineCore" in " ".join(process.cmdline()) or "EngineCore" in process.name()
+    except Exception:  # gone or unreadable
+        return False
+
+
+def _alive(process: Any) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def engine_start_failure(model_path: str, error: BaseException) -> str:

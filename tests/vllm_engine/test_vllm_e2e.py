@@ -73,3 +73,26 @@ def test_a_missing_producer_environment_is_one_clear_line(tmp_path):
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and str(missing) in errors[0], done.stderr[-2000:]
+
+
+def test_an_engine_that_dies_mid_run_restarts_its_producer_and_the_run_finishes(producer_python, tmp_path):
+    """The engine core is a child process of the producer: killed, the producer's watchdog says so in one line and
+    ends the producer, which Ray restarts with a new engine and the current weights; the run finishes."""
+    from run_processes import processes_of_run
+
+    run = Run([
+        sys.executable, str(REPO / "rl_example.py"), "-b", "vllm", "--no-wandb", "--max-steps", "6", "-ei", "0",
+        "--max-actor-restarts", "1", "--timeout", "300", "-sd", str(tmp_path),
+    ])  # fmt: skip
+    run.wait_for(lambda: "optimizer steps:" in run.output, "training started", timeout_s=600)
+    engines = run.wait_for(
+        lambda: [pid for pid, command in processes_of_run(run.marker).items() if "EngineCore" in command],
+        "the vLLM engine core process",
+    )
+    for pid in engines:
+        os.kill(pid, signal.SIGKILL)
+    assert run.finish(timeout_s=600) == 0, run.output[-4000:]
+    assert "the vLLM engine died (engine process" in run.output
+    assert "died and was restarted (1 of --max-actor-restarts 1)" in run.output
+    train = [r for r in read_metrics(run_dir_in(tmp_path) / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7))
