@@ -5,12 +5,14 @@ One subprocess in the producers' environment (``engine_checks.py``) starts an en
 backend returned; the checks here recompute every behaviour log-prob with the trainer's ``response_logprobs`` at
 the same weights, before and after a weight load into the engine (the proof that a sync reaches it), and check the
 layout contract the transformers backend keeps (group-major rows, EOS/stop string kept, truncation, greedy repeats).
-Models: the embedded Qwen2, a tiny random Qwen3 built here, and a model vLLM's CPU attention refuses (head_dim 16).
+Models: the embedded Qwen2 (also on 2 tensor-parallel workers: each loads its shard of every sync), a tiny random
+Qwen3 built here, and a model vLLM's CPU attention refuses (head_dim 16).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -28,6 +30,7 @@ from transformers import (
 )
 
 from colossal_rl.config import EMBEDDED_MODEL_DIR
+from colossal_rl.producer_env import producer_env_vars
 from colossal_rl.prompts import system_prompt_for
 from colossal_rl.training.policy_forward import response_logprobs
 
@@ -102,7 +105,7 @@ def engine_run(producer_python, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_engine")
     qwen3 = build_qwen3(root / "qwen3")
     bad = build_head_dim_16(root / "head_dim_16")
-    models = {"qwen2": EMBEDDED_MODEL_DIR, "qwen3": qwen3}
+    models = {"qwen2": EMBEDDED_MODEL_DIR, "qwen3": qwen3, "qwen2_tp2": EMBEDDED_MODEL_DIR}
     weights = {}
     cases = []
     for seed, (name, directory) in enumerate(models.items()):
@@ -113,15 +116,16 @@ def engine_run(producer_python, tmp_path_factory):
             "max_new_tokens": MAX_NEW_TOKENS, "stop_strings": [STOP_STRING], "weights": str(root / f"{name}.safetensors"),
             "lora_names": ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
             "messages": MESSAGES, "decode": DECODED_IDS,
+            "tensor_parallel_size": 2 if name.endswith("_tp2") else 1,
         })  # fmt: skip
     cases.append({"name": "head_dim_16", "model": str(bad), "prompts": prompts_of(bad), "temperature": 1.0,
                   "max_new_tokens": 4, "stop_strings": []})  # fmt: skip
     results = {}
-    for case in cases:  # one process per engine, as in a producer
+    for case in cases:  # one process per engine, with a producer's environment variables
         request, result = root / f"{case['name']}.request.json", root / f"{case['name']}.result.json"
         request.write_text(json.dumps({"cases": [case]}))
         run = subprocess.run([producer_python, str(CHECKS), str(request), str(result)], capture_output=True,
-                             text=True, timeout=600, cwd=root)  # fmt: skip
+                             text=True, timeout=600, cwd=root, env=os.environ | producer_env_vars("cpu"))  # fmt: skip
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         results |= json.loads(result.read_text())
     return {"models": models, "weights": weights, "results": results}
@@ -148,7 +152,7 @@ def trainer_logprobs(directory: Path, weights: dict[str, torch.Tensor] | None, o
     return logprobs, rows
 
 
-@pytest.mark.parametrize("model", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen2_tp2"])
 @pytest.mark.parametrize("phase", ["before", "after"])
 def test_behaviour_logprobs_equal_the_trainers_at_the_same_weights(engine_run, model, phase):
     weights = engine_run["weights"][model] if phase == "after" else None
