@@ -92,7 +92,6 @@ def ask(worker: subprocess.Popen, request: dict | None = None) -> dict:
 
 def sync_cost(model_dir: str, reps: int) -> None:
     """Worker side of ``--sync`` (runs in the producers' environment)."""
-    import torch
     from safetensors.torch import load_file
 
     from colossal_rl.config import VllmEngineConfig
@@ -116,7 +115,6 @@ def sync_cost(model_dir: str, reps: int) -> None:
     full_s, transport_s = statistics.median(full), statistics.median(transport)
     print(f"weights {megabytes:.0f} MiB: whole load {full_s:.3f}s (median of {reps}), pack + RPC + unpack "
           f"{transport_s:.3f}s = {transport_s / full_s:.0%} of it ({megabytes / transport_s:.0f} MiB/s)")  # fmt: skip
-    torch.manual_seed(0)
 
 
 def build_sync_model(directory: Path) -> None:

@@ -16,6 +16,13 @@ from typing import Any
 import torch
 
 
+def tensor_parts(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    """(dtype name, shape, raw bytes) of ``tensor``, read back by ``rebuild_tensor`` in any torch build."""
+    host = tensor.detach().to("cpu").contiguous()
+    raw = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    return str(host.dtype).removeprefix("torch."), tuple(host.shape), raw
+
+
 def rebuild_tensor(dtype_name: str, shape: tuple[int, ...], raw: bytes) -> torch.Tensor:
     dtype = getattr(torch, dtype_name)
     if not raw:
@@ -26,9 +33,7 @@ def rebuild_tensor(dtype_name: str, shape: tuple[int, ...], raw: bytes) -> torch
 class _TensorAsBytesPickler(pickle.Pickler):
     def reducer_override(self, obj: Any):
         if isinstance(obj, torch.Tensor):
-            host = obj.detach().to("cpu").contiguous()
-            raw = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
-            return rebuild_tensor, (str(host.dtype).removeprefix("torch."), tuple(host.shape), raw)
+            return rebuild_tensor, tensor_parts(obj)
         return NotImplemented
 
 

@@ -206,31 +206,23 @@ def from_vllm_weights(vllm_named: Mapping[str, torch.Tensor], hf_config: Any) ->
 
 # --- across vLLM's RPC ---------------------------------------------------------------------------------------
 
-PackedTensor = tuple[str, str, list[int], bytes]
+PackedTensor = tuple[str, str, tuple[int, ...], bytes]
 """(name, dtype name, shape, raw bytes): how a tensor crosses ``collective_rpc``. vLLM's msgpack serialisation
 keeps tensors only where its messages are typed; inside the untyped ``args`` of an RPC they would arrive as bare
 lists, so they go as explicit bytes (one copy each way)."""
 
 
 def pack_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[PackedTensor]:
-    packed = []
-    for name, tensor in named:
-        host = tensor.detach().to("cpu").contiguous()
-        raw = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
-        packed.append((name, str(host.dtype).removeprefix("torch."), list(host.shape), raw))
-    return packed
+    """Each tensor as ``comm.wire.tensor_parts`` (the codec rollout batches use too)."""
+    from colossal_rl.comm.wire import tensor_parts
+
+    return [(name, *tensor_parts(tensor)) for name, tensor in named]
 
 
 def unpack_tensors(packed: Iterable[PackedTensor]) -> list[tuple[str, torch.Tensor]]:
-    named = []
-    for name, dtype_name, shape, raw in packed:
-        dtype = getattr(torch, dtype_name)
-        if raw:
-            tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-        else:
-            tensor = torch.empty(shape, dtype=dtype)
-        named.append((name, tensor))
-    return named
+    from colossal_rl.comm.wire import rebuild_tensor
+
+    return [(name, rebuild_tensor(dtype_name, tuple(shape), raw)) for name, dtype_name, shape, raw in packed]
 
 
 # --- the checkpoint's own weights ------------------------------------------------------------------------------
