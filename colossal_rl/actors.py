@@ -197,6 +197,13 @@ class ProducerActor:
 
         for receiver in self.receivers:  # a group formed again (after a producer restarted) replaces the old one
             receiver.close()
+        self.receivers = []
+        run = self.config.run
+        if self.config.engine_workers_receive_weights:  # each vLLM worker joins as one of this producer's members
+            self.producer.backend.join_weight_sync(
+                routes_by_producer[self.rank], timeout_s=run.timeout_s, transport=run.weight_sync_backend
+            )
+            return
         # On GPUs broadcast weights arrive over NCCL into this actor's GPU; on CPU over gloo.
         self.receivers = [
             open_receiver(
@@ -214,6 +221,9 @@ class ProducerActor:
 
         self._check_weights()
         with self.producer.phases.record("sync"):
+            if self.config.engine_workers_receive_weights:
+                self.producer.receive_weights_in_engine(policy_version)
+                return
             received_version, tensors = receive_stages(self.receivers)
             if received_version != policy_version:
                 raise RuntimeError(

@@ -36,6 +36,7 @@ Backend = Literal["transformers", "vllm"]
 OldLogprobs = Literal["recompute", "behaviour"]
 AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 WeightSyncBackend = Literal["torch", "ray_nccl"]
+WeightReceive = Literal["auto", "workers", "producer"]
 SequenceLayout = Literal["auto", "padded", "packed", "shared_prompt"]
 WeightSyncMode = Literal["broadcast", "shm", "checkpoint"]
 OBJECTIVE_NAMES: tuple[str, ...] = ("policy_gradient", "dpo")
@@ -131,9 +132,20 @@ class VllmEngineConfig:
     """Split long prompts' prefill into chunks scheduled together with decoding steps."""
     max_model_len: int | None = None
     """Longest prompt + response the engine holds; None: -mpt + -mnt, capped by the model's context length."""
+    weight_receive: WeightReceive = "auto"
+    """Who receives each weight sync. ``workers``: every tensor-parallel worker of the engine joins the sync and
+    loads what it received (no copy through the engine's RPC; ``rollout/vllm_worker_receive.py``). ``producer``: the
+    producer actor receives and hands the tensors to the workers through ``collective_rpc``. ``auto``: workers,
+    except with LoRA (the producer merges the adapters into base weights first; a sync of adapters is small) and
+    with ``--weight-sync-backend ray_nccl`` (Ray's groups form only inside Ray actors, and the workers are not)."""
 
     def validate(self) -> None:
         _require(0 < self.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
+        _require(
+            self.weight_receive in ("auto", "workers", "producer"),
+            "generation.vllm.weight_receive",
+            f"must be auto, workers or producer, got {self.weight_receive!r}",
+        )
         _require(self.max_model_len is None or self.max_model_len >= 1, "generation.vllm.max_model_len", "must be >= 1")
 
 
@@ -589,6 +601,18 @@ class RLConfig:
             return "padded" if vision_language else "packed"
         return "shared_prompt"
 
+    @property
+    def engine_workers_receive_weights(self) -> bool:
+        """True when each vLLM worker receives the weight syncs itself (``generation.vllm.weight_receive``)."""
+        if self.generation.backend != "vllm" or self.generation.vllm.weight_receive == "producer":
+            return False
+        return self.train.lora_rank == 0 and self.run.weight_sync_backend == "torch"
+
+    @property
+    def weight_receivers_per_producer(self) -> int:
+        """Processes of one producer that join the weight sync: its engine's tensor-parallel workers, or itself."""
+        return self.generation.tensor_parallel_size if self.engine_workers_receive_weights else 1
+
     def validate(self) -> RLConfig:
         self.generation.validate()
         self.algorithm.validate()
@@ -604,6 +628,12 @@ class RLConfig:
             "train.lora_rank",
             "LoRA adapters train under DDP and ZeRO only: peft's adapters are not sharded by ColossalAI's tensor "
             "or pipeline parallelism (drop -tp/-pp, or train without LoRA)",
+        )
+        _require(
+            self.generation.vllm.weight_receive != "workers" or self.engine_workers_receive_weights,
+            "generation.vllm.weight_receive",
+            "workers needs -b vllm, no LoRA (the producer merges adapters before loading) and --weight-sync-backend "
+            "torch (Ray's NCCL groups form only inside Ray actors; vLLM's workers are not): use auto or producer",
         )
         _require(
             self.algorithm.objective == "policy_gradient"

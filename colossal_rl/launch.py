@@ -208,6 +208,7 @@ class Driver:
             addresses=addresses,
             run_dir=self.run_dir,
             formation=self.sync_formations,
+            receivers_per_producer=[self.config.weight_receivers_per_producer] * len(self.producers),
         )
         results = gather(
             self.trainers.setup_weight_sync(send_routes, retain) + self.producers.join_weight_sync(receive_routes),

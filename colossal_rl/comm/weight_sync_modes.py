@@ -5,6 +5,9 @@ says per stage what the sender sets up (``SendRoute``) and per producer and stag
 (``ReceiveRoute``). ``broadcast``: every producer joins the stage's group (``weight_sync.py``). ``shm``:
 producers on the sender's node read ``shared_memory_sync.py``'s region; the others join a broadcast group of
 just them (ranks renumbered 1..n). ``checkpoint``: every producer loads ``file_sync.py``'s files.
+A producer may receive in several processes (a vLLM engine's tensor-parallel workers, each joining the sync
+itself): it then holds that many consecutive broadcast ranks, and each of its processes opens the route as one
+``member``.
 
 Every formation of the sync (the start, and again after a producer restarted) gets fresh region names and
 file prefixes, so a receiver never mistakes a file or slot of an earlier formation for the sync it waits for.
@@ -46,11 +49,12 @@ class ReceiveRoute:
 
     kind: RouteKind
     stage: int
-    rank: int = 0  # in the broadcast group
+    rank: int = 0  # in the broadcast group: the first of this producer's ranks
     world_size: int = 1
     address: tuple[str, int] | None = None
     location: str = ""  # shm region, or checkpoint directory
     file_prefix: str = ""
+    members: int = 1  # this producer's receiving processes (vLLM's tensor-parallel workers): ranks rank, rank+1..
 
 
 def shm_readers(sender_node: str, producer_nodes: Sequence[str]) -> list[bool]:
@@ -88,30 +92,37 @@ def plan_routes(
     addresses: Sequence[tuple[str, int]],
     run_dir: str | Path,
     formation: int,
+    receivers_per_producer: Sequence[int] | None = None,
 ) -> tuple[list[SendRoute], list[list[ReceiveRoute]]]:
-    """Per stage its ``SendRoute``; per producer (rank order) its ``ReceiveRoute`` of every stage."""
+    """Per stage its ``SendRoute``; per producer (rank order) its ``ReceiveRoute`` of every stage.
+
+    ``receivers_per_producer``: how many processes of each producer receive (default 1; a vLLM producer whose
+    engine workers receive themselves: its tensor-parallel size). Each gets a broadcast rank of its own."""
     if len(sender_nodes) != len(addresses):
         raise ValueError(f"{len(sender_nodes)} sender nodes but {len(addresses)} broadcast addresses")
+    members = list(receivers_per_producer) if receivers_per_producer is not None else [1] * len(producer_nodes)
+    if len(members) != len(producer_nodes) or min(members, default=1) < 1:
+        raise ValueError(f"receivers_per_producer {members} must give each of {len(producer_nodes)} producers >= 1")
     sends: list[SendRoute] = []
     receives: list[list[ReceiveRoute]] = [[] for _ in producer_nodes]
     for stage, (sender_node, address) in enumerate(zip(sender_nodes, addresses, strict=True)):
         if mode == "checkpoint":
             directory, prefix = str(Path(run_dir) / WEIGHT_SYNC_DIR), f"f{formation}-stage{stage}"
             sends.append(SendRoute(stage, 1, None, checkpoint_dir=directory, file_prefix=prefix))
-            for routes in receives:
-                routes.append(ReceiveRoute("checkpoint", stage, location=directory, file_prefix=prefix))
+            for routes, n in zip(receives, members, strict=True):
+                routes.append(ReceiveRoute("checkpoint", stage, location=directory, file_prefix=prefix, members=n))
             continue
         local = shm_readers(sender_node, producer_nodes) if mode == "shm" else [False] * len(producer_nodes)
-        world = 1 + local.count(False)
+        world = 1 + sum(n for n, on_host in zip(members, local, strict=True) if not on_host)
         region = region_name(run_dir, formation, stage) if any(local) else None
         sends.append(SendRoute(stage, world, address if world > 1 else None, shm_region=region))
-        broadcast_rank = 0
-        for routes, on_host in zip(receives, local, strict=True):
+        next_rank = 1
+        for routes, on_host, n in zip(receives, local, members, strict=True):
             if on_host:
-                routes.append(ReceiveRoute("shm", stage, location=region or ""))
+                routes.append(ReceiveRoute("shm", stage, location=region or "", members=n))
             else:
-                broadcast_rank += 1
-                routes.append(ReceiveRoute("broadcast", stage, broadcast_rank, world, address))
+                routes.append(ReceiveRoute("broadcast", stage, next_rank, world, address, members=n))
+                next_rank += n
     return sends, receives
 
 
@@ -169,7 +180,10 @@ def open_sender(
     return senders[0] if len(senders) == 1 else FanOutSender(senders)
 
 
-def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, group_name: str, device):
+def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, group_name: str, device, member: int = 0):
+    """The receiver ``route`` asks for; ``member``: which of the producer's receiving processes this is."""
+    if not 0 <= member < route.members:
+        raise ValueError(f"member {member} of a route with {route.members} receiving processes")
     from colossal_rl.comm.file_sync import FileReceiver
     from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver
     from colossal_rl.comm.weight_sync import join_as_receiver
@@ -183,7 +197,7 @@ def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, grou
     return join_as_receiver(
         host=host,
         port=port,
-        rank=route.rank,
+        rank=route.rank + member,
         world_size=route.world_size,
         timeout_s=timeout_s,
         transport=transport,

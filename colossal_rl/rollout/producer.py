@@ -218,6 +218,16 @@ class Producer:
         self.backend.load_weights(named_tensors, partial=lora)
         self.policy_version = policy_version
 
+    def receive_weights_in_engine(self, policy_version: int) -> None:
+        """The engine's workers receive sync ``policy_version`` themselves and load it (``--vllm-weight-receive``);
+        a sync of the version held (repeated after a producer restarted) is received and not loaded again."""
+        if policy_version < self.policy_version:
+            raise ValueError(
+                f"producer {self.rank}: weights version {policy_version} is older than {self.policy_version}"
+            )
+        self.backend.receive_weights(policy_version, loaded_version=self.policy_version)
+        self.policy_version = policy_version
+
     def _merge_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With LoRA the sync carries only adapters: the merged weights W0 + (alpha / r) B A of the layers they
         adapt, W0 being the model's base weights (read once, at the first sync)."""

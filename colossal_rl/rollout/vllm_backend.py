@@ -10,10 +10,13 @@ responses cut by ``max_new_tokens``, texts decoded by our tokenizer without spec
 group-major. Each request carries a seed drawn from torch's RNG (which the producer seeds per round), so a round
 regenerated on the same machine and engine build samples the same tokens.
 
-Weights reach every tensor-parallel worker through ``LLM.collective_rpc`` and our worker extension
-(``vllm_worker.WeightLoaderExtension``): the producer receives the trainers' broadcast, then each worker loads the
-Hugging Face-named tensors into its shard with the model's own ``load_weights``. Prefix caching stays on (the G
-samples of a prompt share its KV cache) and is reset after every load, so no KV computed under old weights survives.
+Weights reach every tensor-parallel worker through our worker extension (``vllm_worker.WeightLoaderExtension``),
+called by ``LLM.collective_rpc``: by default each worker joins the weight sync itself and receives the trainers'
+broadcast (``join_weight_sync``/``receive_weights``, ``vllm_worker_receive.py``); with LoRA (merged by the
+producer), after a restart (weights from the object store) or with ``--vllm-weight-receive producer``, the producer
+passes the tensors through the RPC (``load_weights``). Either way each worker loads the Hugging Face-named tensors
+into its shard with vLLM's in-place reload. Prefix caching stays on (the G samples of a prompt share its KV cache)
+and is reset after every load, so no KV computed under old weights survives.
 
 Vision-language policies (Qwen2.5-VL): the backend loads the model's processor (``self.processor``: the producers
 encode image prompts with it) and hands vLLM the *raw* images (``multi_modal_data={"image": [...]}``); vLLM runs the
@@ -56,6 +59,9 @@ WORKER_EXTENSION = "colossal_rl.rollout.vllm_worker.WeightLoaderExtension"
 """Mixed into every vLLM worker (``worker_extension_cls``): the methods ``collective_rpc`` calls by name."""
 RPC_TIMEOUT_S = 600.0
 """Bound on one weight load or read through ``collective_rpc`` (a dead engine raises sooner)."""
+RPC_MARGIN_S = 30.0
+"""Beyond the sync's own timeout, for a ``collective_rpc`` whose workers wait on the sync group (their waits are
+bounded by the group's timeout, so they answer first)."""
 
 
 def max_model_len(configured: int | None, max_sequence_tokens: int | None, model_context: int | None) -> int | None:
@@ -408,6 +414,8 @@ class VllmBackend:
         logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s)", self.vllm_version, model_path,
                     tensor_parallel_size, max_len)  # fmt: skip
         self._closing = False
+        self._sync_timeout_s: float | None = None
+        """The weight sync's timeout once the workers joined it (``join_weight_sync``); None before."""
         self._watchdog = EngineWatchdog(on_death=self._engine_died)
         self._watchdog.start()
 
@@ -473,9 +481,38 @@ class VllmBackend:
             self.llm.reset_prefix_cache()
         except Exception as error:
             raise engine_failure("load weights", error) from error
-        for worker, missing in enumerate(not_reached):
-            if missing:
-                raise RuntimeError(f"vLLM worker {worker}: the update did not reach {missing[:5]} ({len(missing)})")
+        _check_reached(not_reached)
+
+    # --- weight syncs received by the engine's workers themselves (rollout/vllm_worker_receive.py)
+    def join_weight_sync(self, routes: Sequence[Any], *, timeout_s: float, transport: str) -> None:
+        """Every worker joins each pipeline stage's sync (``ReceiveRoute``s of this producer); collective with the
+        sender, so it returns once all members have joined (bounded by ``timeout_s``)."""
+        from colossal_rl.rollout.vllm_worker_receive import routes_to_messages
+
+        try:
+            self.llm.collective_rpc("colossal_rl_join_weight_sync", timeout=timeout_s + RPC_MARGIN_S,
+                                    args=(routes_to_messages(routes), timeout_s, transport))  # fmt: skip
+        except Exception as error:
+            raise engine_failure("join the weight sync", error) from error
+        self._sync_timeout_s = timeout_s
+
+    def receive_weights(self, policy_version: int, *, loaded_version: int) -> None:
+        """Every worker receives sync ``policy_version`` and loads it (not again if it is ``loaded_version``); the
+        prefix cache is then emptied. Waits at most the sync's timeout (each stage's receive is bounded by it)."""
+        if self._sync_timeout_s is None:
+            raise RuntimeError("receive_weights before join_weight_sync: the engine's workers are in no sync group")
+        tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        omissible = list(vllm_weights.omissible_prefixes(self.architecture))
+        try:
+            not_reached = self.llm.collective_rpc(
+                "colossal_rl_receive_weights",
+                timeout=self._sync_timeout_s + RPC_MARGIN_S,
+                args=(policy_version, loaded_version, self.architecture, tied, omissible),
+            )
+            self.llm.reset_prefix_cache()
+        except Exception as error:
+            raise engine_failure(f"receive weights version {policy_version}", error) from error
+        _check_reached(not_reached)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The engine's weights with Hugging Face names (one unsharded worker: ``-ptp 1``)."""
@@ -509,6 +546,13 @@ class VllmBackend:
         shutdown = getattr(self.llm, "shutdown", None) or getattr(self.llm.llm_engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _check_reached(not_reached: Sequence[Sequence[str]]) -> None:
+    """Raise if a weight load left parameters of some worker untouched (``load_weights_on_worker``'s answer)."""
+    for worker, missing in enumerate(not_reached):
+        if missing:
+            raise RuntimeError(f"vLLM worker {worker}: the update did not reach {missing[:5]} ({len(missing)})")
 
 
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

@@ -7,7 +7,9 @@ attributes clash with the worker's own.
 
 from __future__ import annotations
 
-from colossal_rl.rollout import vllm_weights
+from typing import Any
+
+from colossal_rl.rollout import vllm_weights, vllm_worker_receive
 
 
 class WeightLoaderExtension:
@@ -29,3 +31,31 @@ class WeightLoaderExtension:
         """Receive and unpack weights without loading them (``benchmarks/vllm_producer.py --sync``: the RPC
         transport's share of a weight load); the bytes received."""
         return sum(tensor.numel() * tensor.element_size() for _, tensor in vllm_weights.unpack_tensors(packed))
+
+    def colossal_rl_join_weight_sync(self, routes: list[dict[str, Any]], timeout_s: float, transport: str) -> None:
+        """Join every pipeline stage's weight sync as this worker's member of the producer's routes (collective
+        with the sender); a group joined before (the sync formed again) is left first."""
+        from colossal_rl.comm.process_group import default_device
+
+        self.colossal_rl_leave_weight_sync()
+        self._colossal_rl_receivers = vllm_worker_receive.open_worker_receivers(
+            routes, member=self.rank, timeout_s=timeout_s, transport=transport, device=default_device()
+        )
+
+    def colossal_rl_receive_weights(
+        self, policy_version: int, loaded_version: int, architecture: str | None, tied: bool, omissible: list[str]
+    ) -> list[str]:
+        """Receive sync ``policy_version`` and load it into this worker's shard; the parameters not reached."""
+        return vllm_worker_receive.receive_and_load(
+            self,
+            getattr(self, "_colossal_rl_receivers", []),
+            policy_version=policy_version,
+            loaded_version=loaded_version,
+            architecture=architecture,
+            tie_word_embeddings=tied,
+            omissible=tuple(omissible),
+        )
+
+    def colossal_rl_leave_weight_sync(self) -> None:
+        vllm_worker_receive.close_receivers(getattr(self, "_colossal_rl_receivers", []))
+        self._colossal_rl_receivers = []

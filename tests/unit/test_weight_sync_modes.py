@@ -371,3 +371,40 @@ def test_leftover_regions_of_this_run_are_removed_and_others_kept(tmp_path: Path
         path.write_bytes(b"slot")
     assert remove_leftover_regions(tmp_path / "run", shm_root=tmp_path) == sorted(ours)
     assert [p.name for p in tmp_path.iterdir()] == [theirs.name]
+
+
+# ---------------------------------------------------------------- producers receiving in several processes
+def test_a_producer_with_several_receiving_processes_holds_consecutive_broadcast_ranks():
+    """vLLM producers whose tensor-parallel workers receive themselves: 2 + 1 + 3 members after the sender."""
+    sends, receives = plan_routes(
+        "broadcast", sender_nodes=["a"], producer_nodes=["a", "b", "c"], addresses=[("h", 1)], run_dir="/r",
+        formation=1, receivers_per_producer=[2, 1, 3],
+    )  # fmt: skip
+    assert sends[0].broadcast_world_size == 1 + 2 + 1 + 3
+    assert [(r[0].rank, r[0].members, r[0].world_size) for r in receives] == [(1, 2, 7), (3, 1, 7), (4, 3, 7)]
+    sends, receives = plan_routes(
+        "shm", sender_nodes=["a"], producer_nodes=["a", "b", "a", "c"], addresses=[("h", 1)], run_dir="/r",
+        formation=1, receivers_per_producer=[2, 2, 2, 2],
+    )  # fmt: skip
+    assert sends[0].broadcast_world_size == 1 + 2 + 2  # only the off-host producers' workers join the group
+    assert [(r[0].kind, r[0].rank, r[0].members) for r in receives] == [
+        ("shm", 0, 2), ("broadcast", 1, 2), ("shm", 0, 2), ("broadcast", 3, 2),
+    ]  # fmt: skip
+    _, receives = plan_routes(
+        "checkpoint", sender_nodes=["a"], producer_nodes=["a"], addresses=[("h", 1)], run_dir="/r", formation=1,
+        receivers_per_producer=[4],
+    )  # fmt: skip
+    assert receives[0][0].members == 4
+
+
+def test_receiving_process_counts_are_checked():
+    for counts in ([1], [1, 0]):
+        with pytest.raises(ValueError, match="receivers_per_producer"):
+            plan_routes("broadcast", sender_nodes=["a"], producer_nodes=["a", "b"], addresses=[("h", 1)],
+                        run_dir="/r", formation=1, receivers_per_producer=counts)  # fmt: skip
+    _, receives = plan_routes(
+        "broadcast", sender_nodes=["a"], producer_nodes=["a"], addresses=[("h", 1)], run_dir="/r", formation=1,
+        receivers_per_producer=[2],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="member 2 of a route with 2"):
+        open_receiver(receives[0][0], timeout_s=1.0, transport="torch", group_name="g", device="cpu", member=2)

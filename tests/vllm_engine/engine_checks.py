@@ -41,6 +41,33 @@ def generate_all(backend, case: dict) -> dict:
     return {"sampled": output_to_json(sampled), "greedy": output_to_json(greedy), "stopped": output_to_json(stopped)}
 
 
+def receive_in_workers(backend, weights, tensor_parallel_size: int) -> None:
+    """A sync the way a run makes it with ``--vllm-weight-receive workers``: this process hosts the weight-sync group
+    as its sender (a trainer's part), every engine worker joins it as one of the producer's ranks and receives."""
+    import threading
+
+    from colossal_rl.comm.process_group import find_free_port
+    from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
+    from colossal_rl.comm.weight_sync_modes import plan_routes
+
+    port = find_free_port()
+    _, routes = plan_routes("broadcast", sender_nodes=["here"], producer_nodes=["here"],
+                            addresses=[("127.0.0.1", port)], run_dir=".", formation=1,
+                            receivers_per_producer=[tensor_parallel_size])  # fmt: skip
+    senders = []
+    hosting = threading.Thread(target=lambda: senders.append(host_as_sender(
+        host="127.0.0.1", port=port, world_size=1 + tensor_parallel_size, state_dict=weights, timeout_s=120.0,
+        transport="torch", name=stage_group_name(0))))  # fmt: skip
+    hosting.start()
+    backend.join_weight_sync(routes[0], timeout_s=120.0, transport="torch")
+    hosting.join(timeout=150)
+    sending = threading.Thread(target=senders[0].send, args=(weights, 1))
+    sending.start()
+    backend.receive_weights(1, loaded_version=0)
+    sending.join(timeout=150)
+    senders[0].close()
+
+
 def run_case(case: dict) -> dict:
     from safetensors.torch import load_file
 
@@ -62,7 +89,10 @@ def run_case(case: dict) -> dict:
     if case.get("weights"):
         weights = load_file(case["weights"])
         started = time.perf_counter()
-        backend.load_weights(weights)
+        if case.get("receive") == "workers":
+            receive_in_workers(backend, weights, case.get("tensor_parallel_size", 1))
+        else:
+            backend.load_weights(weights)
         result["load_s"] = time.perf_counter() - started
         result["after"] = generate_all(backend, case)
         try:

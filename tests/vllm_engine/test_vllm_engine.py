@@ -5,8 +5,9 @@ One subprocess in the producers' environment (``engine_checks.py``) starts an en
 backend returned; the checks here recompute every behaviour log-prob with the trainer's ``response_logprobs`` at
 the same weights, before and after a weight load into the engine (the proof that a sync reaches it), and check the
 layout contract the transformers backend keeps (group-major rows, EOS/stop string kept, truncation, greedy repeats).
-Models: the embedded Qwen2 (also on 2 tensor-parallel workers: each loads its shard of every sync), a tiny random
-Qwen3 built here, and a model vLLM's CPU attention refuses (head_dim 16).
+Models: the embedded Qwen2 (also on 2 tensor-parallel workers: each joins the weight sync, receives and loads its
+shard), a tiny random Qwen3 built here, and a model vLLM's CPU attention refuses (head_dim 16). The embedded Qwen2's
+sync goes through the producer's RPC, the other two are received by the engine's workers themselves.
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def engine_run(producer_python, tmp_path_factory):
             "lora_names": ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
             "messages": MESSAGES, "decode": DECODED_IDS,
             "tensor_parallel_size": 2 if name.endswith("_tp2") else 1,
+            # The sync as runs make it by default (each worker joins the group) for Qwen3 and TP=2; through the
+            # producer's RPC (LoRA, restarts, --vllm-weight-receive producer) for the embedded Qwen2.
+            "receive": "producer" if name == "qwen2" else "workers",
         })  # fmt: skip
     cases.append({"name": "head_dim_16", "model": str(bad), "prompts": prompts_of(bad), "temperature": 1.0,
                   "max_new_tokens": 4, "stop_strings": []})  # fmt: skip
