@@ -10,13 +10,12 @@ the number of rollout rounds after which vLLM's start-up has paid for itself,
 
     python benchmarks/vllm_producer.py [--reps 5] [--threads 1]
     python benchmarks/vllm_producer.py --full-runs    # the default run (python rl_example.py) with each backend
-    python benchmarks/vllm_producer.py --sync         # a weight load into the engine: RPC transport vs whole load
+    python benchmarks/vllm_producer.py --sync         # a weight sync into the engine: the two receive routes
 
-``--sync`` builds a random 8-layer Qwen2 (hidden 512, ~100 MB in fp32) and loads its weights into the engine the way
-every sync does (``VllmBackend.load_weights``: pack, ``collective_rpc``, in-place reload in the worker), and sends the
-same packed bytes through ``collective_rpc`` to a method that only unpacks them: the difference is what a
-worker-side receive (the worker joining the weight-sync group itself) could save at most, next to the broadcast
-that both need (``weight_sync.py`` measures that).
+``--sync`` builds a random 8-layer Qwen2 (hidden 512, ~100 MB in fp32); a sender process (the trainer's part)
+broadcasts new versions of its weights over gloo, and each version reaches the engine by both routes of
+``--vllm-weight-receive``, alternating: ``producer`` (the producer receives, then ``collective_rpc`` carries the
+tensors to the worker) and ``workers`` (the engine's worker is a member of the group and receives itself).
 
 The vLLM side needs the producers' environment (built on first use, like ``-b vllm``).
 """
@@ -90,31 +89,78 @@ def ask(worker: subprocess.Popen, request: dict | None = None) -> dict:
             return json.loads(line)
 
 
-def sync_cost(model_dir: str, reps: int) -> None:
-    """Worker side of ``--sync`` (runs in the producers' environment)."""
+def send_syncs(ports: tuple[int, int], model_dir: str, reps: int) -> None:
+    """The trainer's part of ``--sync``, in a process of its own: hosts one group per route (the producer's
+    receiver, then the engine's worker) and sends ``reps`` versions on each, alternating."""
     from safetensors.torch import load_file
 
+    from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
+
+    weights = load_file(f"{model_dir}/model.safetensors")
+    senders = [
+        host_as_sender(
+            host="127.0.0.1",
+            port=port,
+            world_size=2,
+            state_dict=weights,
+            timeout_s=300.0,
+            transport="torch",
+            name=stage_group_name(0),
+        )
+        for port in ports
+    ]
+    versions = [{name: tensor + 0.01 * k for name, tensor in weights.items()} for k in (1, 2)]  # made before timing
+    for version in range(1, reps + 1):
+        for sender in senders:
+            sender.send(versions[version % 2], version)
+    for sender in senders:
+        sender.close()
+
+
+def sync_cost(model_dir: str, reps: int) -> None:
+    """Producer side of ``--sync`` (runs in the producers' environment): the same syncs by both routes, alternating.
+
+    ``producer``: this process (the producer actor's part) receives the broadcast, then ``VllmBackend.load_weights``
+    packs the tensors and sends them through ``collective_rpc`` to the worker, which reloads them. ``workers``: the
+    engine's worker joined the group itself (``--vllm-weight-receive workers``) and receives and reloads. Timed from
+    the receive call to the reloaded weights; the sender has the next version packed by then."""
+    import multiprocessing
+
+    from colossal_rl.comm.process_group import find_free_port
+    from colossal_rl.comm.weight_sync import join_as_receiver, stage_group_name
+    from colossal_rl.comm.weight_sync_modes import plan_routes
     from colossal_rl.config import VllmEngineConfig
-    from colossal_rl.rollout import vllm_weights
     from colossal_rl.rollout.backend import create_backend
 
     backend = create_backend(
         "vllm", model_dir, weights_dtype="float32", vllm_engine=VllmEngineConfig(max_model_len=128)
     )
-    weights = {name: tensor + 0.01 for name, tensor in load_file(f"{model_dir}/model.safetensors").items()}
-    megabytes = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
-    full, transport = [], []
-    for _ in range(reps):
+    ports = (find_free_port(), find_free_port())
+    sender = multiprocessing.get_context("spawn").Process(target=send_syncs, args=(ports, model_dir, reps))
+    sender.start()
+    receiver = join_as_receiver(host="127.0.0.1", port=ports[0], rank=1, world_size=2, timeout_s=300.0,
+                                transport="torch", name=stage_group_name(0))  # fmt: skip
+    _, routes = plan_routes("broadcast", sender_nodes=["here"], producer_nodes=["here"],
+                            addresses=[("127.0.0.1", ports[1])], run_dir=".", formation=1)  # fmt: skip
+    backend.join_weight_sync(routes[0], timeout_s=300.0, transport="torch")
+    megabytes = receiver.layout.total_bytes / 2**20
+    times: dict[str, list[float]] = {"producer": [], "workers": []}
+    for version in range(1, reps + 1):
         started = time.perf_counter()
-        backend.load_weights(weights)
-        full.append(time.perf_counter() - started)
+        _, tensors = receiver.receive()
+        backend.load_weights(tensors)
+        times["producer"].append(time.perf_counter() - started)
         started = time.perf_counter()
-        packed = vllm_weights.pack_tensors(weights.items())
-        backend.llm.collective_rpc("colossal_rl_unpack_only", args=(packed,))
-        transport.append(time.perf_counter() - started)
-    full_s, transport_s = statistics.median(full), statistics.median(transport)
-    print(f"weights {megabytes:.0f} MiB: whole load {full_s:.3f}s (median of {reps}), pack + RPC + unpack "
-          f"{transport_s:.3f}s = {transport_s / full_s:.0%} of it ({megabytes / transport_s:.0f} MiB/s)")  # fmt: skip
+        backend.receive_weights(version, loaded_version=version - 1)
+        times["workers"].append(time.perf_counter() - started)
+    sender.join(timeout=300)
+    receiver.close()
+    backend.close()
+    producer_s, workers_s = statistics.median(times["producer"][1:]), statistics.median(times["workers"][1:])
+    print(f"weights {megabytes:.0f} MiB, median of {reps - 1} syncs after the first, receive + reload:")
+    print(f"  producer receives, collective_rpc to the worker: {producer_s:.3f}s ({megabytes / producer_s:.0f} MiB/s)")
+    print(f"  the worker receives itself:                      {workers_s:.3f}s ({megabytes / workers_s:.0f} MiB/s)")
+    print(f"  workers / producer: {workers_s / producer_s:.2f}x the time")
 
 
 def build_sync_model(directory: Path) -> None:
@@ -161,7 +207,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each backend's process")
     parser.add_argument("--full-runs", action="store_true", help="time the whole default run with each backend")
-    parser.add_argument("--sync", action="store_true", help="a weight load into the engine: RPC share of it")
+    parser.add_argument("--sync", action="store_true", help="a weight sync into the engine by both receive routes")
     parser.add_argument("--serve", choices=("vllm", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--sync-model", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -27,11 +27,6 @@ class WeightLoaderExtension:
         """A CPU copy of this worker's parameters (vLLM's fused names and shapes), packed."""
         return vllm_weights.pack_tensors(vllm_weights.named_weights_on_worker(self).items())
 
-    def colossal_rl_unpack_only(self, packed: list[vllm_weights.PackedTensor]) -> int:
-        """Receive and unpack weights without loading them (``benchmarks/vllm_producer.py --sync``: the RPC
-        transport's share of a weight load); the bytes received."""
-        return sum(tensor.numel() * tensor.element_size() for _, tensor in vllm_weights.unpack_tensors(packed))
-
     def colossal_rl_join_weight_sync(self, routes: list[dict[str, Any]], timeout_s: float, transport: str) -> None:
         """Join every pipeline stage's weight sync as this worker's member of the producer's routes (collective
         with the sender); a group joined before (the sync formed again) is left first."""
