@@ -1,12 +1,13 @@
-"""The GPU path end to end: one vLLM producer and one trainer on the embedded model, weights synced over NCCL.
+"""The GPU path end to end: one vLLM producer (in the producers' own environment, ``vllm`` 0.32) and one trainer on
+the embedded model, weights synced over NCCL straight into the engine's worker (``--vllm-weight-receive`` auto:
+the worker is a member of the sync group, torch 2.13's NCCL there, torch 2.5.1's in the trainer).
 
 Needs 2 CUDA GPUs and the gpu extra (``pip install -e ".[gpu]"``); ``tests/conftest.py`` skips every
-``gpu``-marked test on machines without CUDA. Written for GPU machines; not run on the CPU-only CI.
+``gpu``-marked test on machines without CUDA. Written for GPU machines; not run on a GPU.
 
-Precision: the trainer trains in float32 while the producer's vLLM engine (``dtype="auto"``) runs the embedded
-model's float32 config in float16, so weights are compared at the engine's dtype (the sync's cast rounds as
-``Tensor.to`` does), and "training changed the weights" compares the producer's own weights before and after:
-``torch.equal`` promotes mixed dtypes, so float16 against float32 would differ even if nothing had trained.
+Precision: weights are compared at the engine's dtype (the sync's cast rounds as ``Tensor.to`` does), and
+"training changed the weights" compares the producer's own weights before and after: ``torch.equal`` promotes
+mixed dtypes, so a lower engine precision against float32 would differ even if nothing had trained.
 """
 
 from __future__ import annotations
@@ -46,15 +47,16 @@ def gpu_config(tmp_path: Path) -> RLConfig:
 
 
 def test_vllm_producer_holds_the_trainer_weights_after_an_nccl_sync(tmp_path):
-    pytest.importorskip("vllm")
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: one producer, one trainer")
     import ray
 
     from colossal_rl.launch import Driver, init_ray, make_run_dir
+    from colossal_rl.producer_env import ensure_producer_env
 
+    ensure_producer_env("gpu")
     config = gpu_config(tmp_path)
-    assert config.steps_per_round == 2
+    assert config.steps_per_round == 2 and config.engine_workers_receive_weights
     init_ray(config)
     driver = None
     try:
@@ -62,8 +64,6 @@ def test_vllm_producer_holds_the_trainer_weights_after_an_nccl_sync(tmp_path):
         driver = Driver(config, run_dir, MetricsLogger(run_dir, "gpu-test", {}, use_wandb=False))
         driver.start()
         producer = driver.producers[0]
-        backend = ray.get(producer.__ray_call__.remote(lambda actor: actor.receivers[0].group.backend))
-        assert backend == "nccl"
         initial = ray.get(producer.named_weights.remote())
 
         driver.run(rounds=1)  # generate with vLLM, train 2 steps, sync version 1 over NCCL

