@@ -15,18 +15,35 @@ from typing import Any, NamedTuple
 import ray
 
 
-class Call(NamedTuple):
-    """One remote call in flight: a name for messages (``"trainer 1 (train_round)"``), its result, and how to
-    make the same call again (on a restarted actor)."""
+class ActorId(NamedTuple):
+    """Which actor: its kind (``"producer"``, ``"trainer"``) and rank."""
 
-    name: str
+    kind: str
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.rank}"
+
+
+class Call(NamedTuple):
+    """One remote call in flight: which actor and method, its result, and how to make the same call again (on a
+    restarted actor). ``None`` for ``redo``: a call that cannot be made again (a result already in hand)."""
+
+    actor: ActorId
+    method: str
     ref: ray.ObjectRef
     redo: Callable[[], ray.ObjectRef] | None = None
 
     @property
-    def actor(self) -> str:
-        """``"producer 1"`` of ``"producer 1 (produce)"``."""
-        return self.name.split(" (")[0]
+    def name(self) -> str:
+        """For messages: ``"producer 1 (produce)"``."""
+        return f"{self.actor} ({self.method})"
+
+    def again(self) -> Call:
+        """The same call made again (on the actor Ray restarted)."""
+        if self.redo is None:
+            raise ValueError(f"{self.name} cannot be made again")
+        return self._replace(ref=self.redo())
 
 
 Calls = list[Call]
@@ -35,12 +52,15 @@ Calls = list[Call]
 class RunFailed(RuntimeError):
     """The run stopped because an actor failed or did not answer in time; the message names it.
 
-    ``outcomes``: for each call of the wait that failed, ``"died"`` (its actor's process is gone),
-    ``"restarted"`` (it reached a restarted producer not yet given its weights) or ``"failed"``."""
+    ``outcomes``: for each actor whose call failed in the wait, ``"died"`` (its process is gone), ``"restarted"``
+    (the call reached a restarted producer not yet given its weights) or ``"failed"``."""
 
-    def __init__(self, message: str, outcomes: dict[str, str] | None = None):
+    def __init__(self, message: str, outcomes: dict[ActorId, str] | None = None):
         super().__init__(message)
         self.outcomes = outcomes or {}
+
+    def any_died(self, kind: str) -> bool:
+        return any(actor.kind == kind and outcome == "died" for actor, outcome in self.outcomes.items())
 
 
 class ProducerRestarted(RuntimeError):
@@ -77,22 +97,39 @@ def gather(calls: Calls, timeout_s: float, settle_s: float = 3.0) -> list:
     trainer waiting for rollouts from the producer that just died). Failures that follow within
     ``settle_s`` are reported too, dead actors first: they are the cause, their peers the symptom.
     """
-    names = {call.ref: call.name for call in calls}
-    pending = list(names)
+    by_ref = {call.ref: call for call in calls}
+    pending = list(by_ref)
     deadline = time.monotonic() + timeout_s
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            late = [names[ref] for ref in pending]
+            late = [by_ref[ref].name for ref in pending]
             raise RunFailed(f"no answer within {timeout_s:.0f}s from: {', '.join(late)}")
         first = call_outcome(ready[0])
         if first[0] != "ok":
             more, _ = ray.wait(pending, num_returns=len(pending), timeout=settle_s) if pending else ([], [])
-            outcomes = {names[ready[0]]: first} | {names[ref]: call_outcome(ref) for ref in more}
-            failures = [(name, o, d) for name, (o, d) in outcomes.items() if o != "ok"]
+            outcomes = {by_ref[ready[0]]: first} | {by_ref[ref]: call_outcome(ref) for ref in more}
+            failures = [(call, o, d) for call, (o, d) in outcomes.items() if o != "ok"]
             failures.sort(key=lambda failure: failure[1] != "died")
-            raise RunFailed("; ".join(_message(*failure) for failure in failures), {name: o for name, o, _ in failures})
+            message = "; ".join(_message(call.name, o, d) for call, o, d in failures)
+            raise RunFailed(message, {call.actor: o for call, o, _ in failures})
     return ray.get([call.ref for call in calls])
+
+
+def gather_groups(groups: Sequence[Calls], timeout_s: float) -> list[list]:
+    """:func:`gather` of several groups' calls at once (one wait, failing fast on any); the results per group."""
+    return split_results(gather([call for calls in groups for call in calls], timeout_s), groups)
+
+
+def split_results(results: list, groups: Sequence[Calls]) -> list[list]:
+    """``results`` of the calls of ``groups`` laid end to end, cut back into one list per group."""
+    if len(results) != sum(len(calls) for calls in groups):
+        raise ValueError(f"{len(results)} results for {sum(len(calls) for calls in groups)} calls")
+    cut, start = [], 0
+    for calls in groups:
+        cut.append(results[start : start + len(calls)])
+        start += len(calls)
+    return cut
 
 
 class ActorGroup:
@@ -120,7 +157,7 @@ class ActorGroup:
         """``call(actor)`` on every actor (or on ``ranks``), each named for messages."""
         ranks = range(len(self.actors)) if ranks is None else ranks
         return [
-            Call(f"{self.kind} {rank} ({label})", call(self.actors[rank]), lambda rank=rank: call(self.actors[rank]))
+            Call(ActorId(self.kind, rank), label, call(self.actors[rank]), lambda rank=rank: call(self.actors[rank]))
             for rank in ranks
         ]
 

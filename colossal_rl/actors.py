@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from colossal_rl.actor_groups import ProducerRestarted
+from colossal_rl.actor_messages import ProducerReady, RoundResult, TrainerReady
 from colossal_rl.comm.buffer import Assignment, BufferSnapshot, RoundBuffer
 from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
@@ -177,17 +178,17 @@ class ProducerActor:
         if self.awaiting_weights:
             raise ProducerRestarted(f"producer {self.rank} was restarted and has not been given its weights yet")
 
-    def ready(self) -> dict:
+    def ready(self) -> ProducerReady:
         """Who and where this producer is, and its start-up phases (``colossal_rl.startup``)."""
-        return {
-            "rank": self.rank,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "train_rows": len(self.producer.train_data),
-            "restarted": self.restarted,
-            "dropped_overlong": self.producer.train_data.dropped_overlong,
-            "startup": self.startup.drain() + self.producer.startup.drain(),
-        }
+        return ProducerReady(
+            rank=self.rank,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            train_rows=len(self.producer.train_data),
+            restarted=self.restarted,
+            dropped_overlong=self.producer.train_data.dropped_overlong,
+            startup=self.startup.drain() + self.producer.startup.drain(),
+        )
 
     def join_weight_sync(self, routes_by_producer: list) -> None:
         """Open this producer's receiver of every pipeline stage (``comm/weight_sync_modes.py``), in stage order."""
@@ -298,17 +299,17 @@ class TrainerActor:
         """Trainer 0: open the process group's rendezvous store now; returns its port."""
         return self.trainer.host_rendezvous()
 
-    def setup(self, master_port: int) -> dict:
+    def setup(self, master_port: int) -> TrainerReady:
         """Process group (on trainer 0's store at ``master_port``), model, optimizer; returns who and where this
         rank is and its start-up phases."""
         self.trainer.setup(master_port)
-        return {
-            "rank": self.trainer.rank,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "sync_stage": self.trainer.sync_stage,
-            "startup": self.startup.drain() + self.trainer.startup.drain(),
-        }
+        return TrainerReady(
+            rank=self.trainer.rank,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            sync_stage=self.trainer.sync_stage,
+            startup=self.startup.drain() + self.trainer.startup.drain(),
+        )
 
     def weight_sync_address(self) -> tuple[str, int]:
         from colossal_rl.comm.process_group import find_free_port
@@ -353,7 +354,7 @@ class TrainerActor:
             return []
         return [ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})]
 
-    def train_round(self, round_index: int, buffer, sample_step: int | None = None) -> dict:
+    def train_round(self, round_index: int, buffer, sample_step: int | None = None) -> RoundResult:
         """Train every step the buffer deals this rank for ``round_index``.
 
         ``sample_step``: index (within the round) of a step whose rollouts are returned for logging.
@@ -371,14 +372,14 @@ class TrainerActor:
         samples = []
         if sample_step is not None and sample_step < len(steps):
             samples = rollout_samples(steps[sample_step])
-        return {
-            "round": round_index,
-            "steps": step_metrics,
-            "data_indices": [sorted(batch.data_indices) for _, batch in trained],
-            "samples": samples,
-            "dropped_stale_groups": assignment.dropped_stale_groups,
-            "carried_over_groups": assignment.carried_over_groups,
-        }
+        return RoundResult(
+            round_index=round_index,
+            steps=step_metrics,
+            data_indices=[sorted(batch.data_indices) for _, batch in trained],
+            samples=samples,
+            dropped_stale_groups=assignment.dropped_stale_groups,
+            carried_over_groups=assignment.carried_over_groups,
+        )
 
     def _batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         return {

@@ -18,20 +18,30 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 from tqdm import tqdm
 
 from colossal_rl import run_checkpoint as ckpt
-from colossal_rl.actor_groups import Call, Calls, RunFailed, gather, spawn_actors
+from colossal_rl.actor_groups import (
+    Calls,
+    RunFailed,
+    TrainerGroup,
+    gather,
+    gather_groups,
+    spawn_actors,
+    split_results,
+)
+from colossal_rl.actor_messages import RoundResult
 from colossal_rl.comm.sync_stages import stage_senders
 from colossal_rl.comm.weight_sync_modes import plan_routes
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.local_ray import shutdown_local_ray
 from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
+from colossal_rl.pending_calls import PendingCalls
 from colossal_rl.placement import check_transport_for_cluster, resolve_precision_for_cluster
 from colossal_rl.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
@@ -120,19 +130,46 @@ def total_rounds(config: RLConfig, num_rows: int) -> int:
     return rounds
 
 
+@dataclass
+class WeightSyncState:
+    """The driver's facts about the weight sync as formed now (not in ``RunProgress``: a resume forms it anew)."""
+
+    senders: list[int] = field(default_factory=list)
+    """Trainer ranks that send the weights, one per pipeline stage."""
+    trainer_nodes: list[str] = field(default_factory=list)
+    """Ray node ids (by rank): whether a producer can read a sender's shared memory (``--weight-sync-mode``)."""
+    formations: int = 0
+    """Times the sync was formed (each formation gets fresh region names and file prefixes)."""
+    stale: bool = False
+    """A producer restarted since the sync was formed: form it again before the next sync."""
+    retained_weights: list = field(default_factory=list)
+    """Object-store copies (one per sync stage) of the last synced version's weights: a restarted producer's."""
+
+
+@dataclass
+class StartupTrace:
+    """Where this process's time to the first rollouts went (``startup.json``; not in ``RunProgress``: a resumed
+    run reports its own start-up)."""
+
+    phases: PhaseRecorder
+    origin: float = field(default_factory=process_started_at)
+    actors_submitted_at: float = field(default_factory=time.time)
+    actors: dict[str, list[Span]] = field(default_factory=dict)
+    reported: bool = False
+
+
 class Driver:
-    """Owns the actors of one run and walks its round schedule; where the run is lives in ``progress``."""
+    """Owns the actors of one run and walks its round schedule; where the run is lives in ``progress``.
+
+    Besides ``progress`` (what a checkpoint saves and a resume restores) it holds the actors and their wiring, the
+    pending calls (``pending_calls.py``), the producers' restarts (``producer_restarts.py``), the weight sync as
+    formed (``WeightSyncState``), the start-up trace, and where outputs go."""
 
     def __init__(self, config: RLConfig, run_dir: Path, metrics: MetricsLogger, startup: PhaseRecorder | None = None):
         """``startup``: the driver's start-up phases so far (``run_training``'s); the driver adds its own."""
-        self.startup = startup or PhaseRecorder()
-        self.startup_origin = process_started_at()
-        self.actors_submitted_at = time.time()
-        self.actor_startup: dict[str, list[Span]] = {}
+        self.trace = StartupTrace(startup or PhaseRecorder())
         self.train_rows: int | None = None
         """Training prompts the producers hold (over-long ones left out): what the round count is made of."""
-        self.startup_reported = False
-
         check_transport_for_cluster(config.run.weight_sync_backend, ray.nodes())  # before any actor starts
         self.config = config
         self.run_dir = run_dir
@@ -140,24 +177,17 @@ class Driver:
         self.timeout = config.run.timeout_s
         self.buffer, self.producers, self.trainers = spawn_actors(config)
         self.progress = RunProgress()
-        self.sync_senders: list[int] = []
-        """Trainer ranks that send the weights, one per pipeline stage."""
-        self.sync_group_stale = False
-        """A producer restarted since the weight-sync group was formed: form it again before the next sync."""
-        self.retained_weights: list = []
-        """Object-store copies (one per sync stage) of the last synced version's weights: a restarted producer's."""
+        self.sync = WeightSyncState()
         self.restarts = ProducerRestarts(
             self.producers, max_restarts=config.run.max_actor_restarts, timeout_s=self.timeout
         )
         """The producers' processes (pid, node) and the restarts each has used."""
-        self.trainer_nodes: list[str] = []
-        """Ray node ids (by rank): whether a producer can read a sender's shared memory (``--weight-sync-mode``)."""
-        self.sync_formations = 0
         self.last_saved_step = 0
+        """Step of the newest checkpoint this process saved or resumed from (``progress.step`` when it was saved)."""
         self.final_model_dir: Path | None = None
-        self.eval_before_calls: Calls | None = None
-        self.pending_produce: dict[int, Calls] = {}
-        """Round -> its produce calls, submitted and not trained yet (restored ones hold their saved metrics)."""
+        self.pending = PendingCalls(redo_lost=redo_lost, finished=lambda call, result: call._replace(
+            ref=ray.put(result), redo=None))  # fmt: skip
+        """Produce calls submitted and not trained yet, by round, and the eval before training (its rules in code)."""
         self.eval_dir = eval_dir(run_dir, config.run.eval_save_dir)
         self.rollout_dir = rollout_dir(run_dir, config.run.rollout_save_dir)
 
@@ -168,124 +198,125 @@ class Driver:
     def start(self, resume_from: Path | None = None) -> None:
         """Start every actor and the weight-sync group; with ``resume_from``, restore a checkpoint first."""
         started = time.perf_counter()
-        ready = gather(self.producers.ready() + self.trainers.setup(), self.timeout)
-        self.startup.add("actors", self.actors_submitted_at, time.time())
-        train_rows = {info["train_rows"] for info in ready[: len(self.producers)]}
+        producers, trainers = gather_groups([self.producers.ready(), self.trainers.setup()], self.timeout)
+        self.trace.phases.add("actors", self.trace.actors_submitted_at, time.time())
+        train_rows = {info.train_rows for info in producers}
         if len(train_rows) != 1:
             raise RunFailed(f"producers loaded different numbers of training prompts: {sorted(train_rows)}")
         (self.train_rows,) = train_rows
-        self.restarts.record_ready(ready[: len(self.producers)])
-        self.trainer_nodes = [info["node_id"] for info in ready[len(self.producers) :]]
-        dropped = ready[0]["dropped_overlong"]
+        self.restarts.record_ready(producers)
+        self.sync.trainer_nodes = [info.node_id for info in trainers]
+        dropped = producers[0].dropped_overlong
         self.metrics.log("data", 0, {"data/train_prompts": self.train_rows, "data/dropped_overlong_prompts": dropped})
-        for name, info in zip(self.producers.names + self.trainers.names, ready, strict=True):
-            spawn = spawn_span(self.actors_submitted_at, info["startup"])
-            self.actor_startup[name] = ([spawn] if spawn else []) + list(info["startup"])
+        for name, info in zip(self.producers.names + self.trainers.names, producers + trainers, strict=True):
+            spawn = spawn_span(self.trace.actors_submitted_at, info.startup)
+            self.trace.actors[name] = ([spawn] if spawn else []) + list(info.startup)
         if resume_from is not None:
-            with self.startup.record("restore"):
-                self.progress, self.pending_produce = restore_run(
+            with self.trace.phases.record("restore"):
+                self.progress, finished_rounds = restore_run(
                     resume_from, trainers=self.trainers, buffer=self.buffer, timeout_s=self.timeout
                 )
+                self.pending.restore(finished_rounds)
                 self.last_saved_step = self.progress.step
         sync_started = time.time()
-        self.sync_senders = stage_senders([info["sync_stage"] for info in ready[len(self.producers) :]])
+        self.sync.senders = stage_senders([info.sync_stage for info in trainers])
         self._form_weight_sync(retain=resume_from is None)
         if resume_from is not None:
             self._sync_weights(self.progress.policy_version)
-        self.startup.add("weight sync", sync_started, time.time())
+        self.trace.phases.add("weight sync", sync_started, time.time())
         logger.info("actors ready in %.1fs", time.perf_counter() - started)
 
     def _form_weight_sync(self, *, retain: bool) -> None:
         """(Re)form every pipeline stage's weight sync (``--weight-sync-mode``): its sender trainer hosts a group,
         a shared-memory region or sync files, every producer joins. ``retain``: keep the senders' copy of the
         weights they hold (the current version's)."""
-        addresses = gather(self.trainers.weight_sync_address(self.sync_senders), self.timeout)
-        self.sync_formations += 1
+        addresses = gather(self.trainers.weight_sync_address(self.sync.senders), self.timeout)
+        self.sync.formations += 1
         send_routes, receive_routes = plan_routes(
             self.config.run.weight_sync_mode,
-            sender_nodes=[self.trainer_nodes[rank] for rank in self.sync_senders],
+            sender_nodes=[self.sync.trainer_nodes[rank] for rank in self.sync.senders],
             producer_nodes=self.restarts.nodes,
             addresses=addresses,
             run_dir=self.run_dir,
-            formation=self.sync_formations,
+            formation=self.sync.formations,
             receivers_per_producer=[self.config.weight_receivers_per_producer] * len(self.producers),
         )
-        results = gather(
-            self.trainers.setup_weight_sync(send_routes, retain) + self.producers.join_weight_sync(receive_routes),
+        senders, _ = gather_groups(
+            [self.trainers.setup_weight_sync(send_routes, retain), self.producers.join_weight_sync(receive_routes)],
             self.timeout,
         )
         if retain:
-            self.retained_weights = [ref for refs in results[: len(self.trainers)] for ref in refs]
-        self.sync_group_stale = False
+            self.sync.retained_weights = [ref for refs in senders for ref in refs]
+        self.sync.stale = False
 
     # ------------------------------------------------------------------ waiting, and surviving producer restarts
-    def _gather(self, calls: Calls | Callable[[], Calls]) -> list:
-        """The calls' results, surviving producer deaths while ``--max-actor-restarts`` allows.
+    def _gather(self, *groups: Calls) -> list[list]:
+        """The results of each group's calls, surviving producer deaths while ``--max-actor-restarts`` allows.
 
         A producer that died is restarted by Ray; here it gets back the weights of the last completed sync
         and the calls it lost are made again: its rounds are regenerated exactly (rows and sampling are
-        functions of seed, round and producer). ``calls`` as a function: one weight sync, made again whole
-        on a newly formed group. A dead trainer ends the run (its sharded state cannot be rebuilt in place)
-        with the command that resumes from the last checkpoint."""
-        make = calls if callable(calls) else None
-        if make is not None:
-            if self.sync_group_stale:
-                self._form_weight_sync(retain=False)
-            calls = make()
+        functions of seed, round and producer). A dead trainer ends the run (its sharded state cannot be rebuilt
+        in place) with the command that resumes from the last checkpoint."""
+        return self._gather_calls(lambda: list(groups), remake=False)
+
+    def _gather_sync(self, make: Callable[[], list[Calls]]) -> list[list]:
+        """:meth:`_gather` of one weight sync: ``make()`` issues it; after a producer restart it is made again
+        whole, on a newly formed group."""
+        if self.sync.stale:
+            self._form_weight_sync(retain=False)
+        return self._gather_calls(make, remake=True)
+
+    def _gather_calls(self, make: Callable[[], list[Calls]], *, remake: bool) -> list[list]:
+        groups = make()
         retries_without_restart = 0
         while True:
+            calls = [call for group in groups for call in group]
             try:
-                return gather(calls, self.timeout)
+                return split_results(gather(calls, self.timeout), groups)
             except RunFailed as failure:
-                if any(name.startswith("trainer") and outcome == "died" for name, outcome in failure.outcomes.items()):
+                if failure.any_died(TrainerGroup.kind):
                     raise RunFailed(f"{failure}; {resume_hint(self.run_dir)}", failure.outcomes) from None
-                restarted = self.restarts.restarted(failure, calls, whole_sync=make is not None)
+                restarted = self.restarts.restarted(failure, calls, whole_sync=remake)
                 retries_without_restart = 0 if restarted else retries_without_restart + 1
                 if retries_without_restart > 2:  # failing again with nobody restarted: not a producer death
                     raise
                 self._recover_producers(restarted)
-            if make is not None:
+            if remake:
                 self._form_weight_sync(retain=False)
-                calls = make()
+                groups = make()
             else:
-                calls = redo_lost(calls)
+                groups = [redo_lost(group) for group in groups]
 
     def _recover_producers(self, ranks: list[int]) -> None:
         """Give restarted producers the last synced version's weights and re-issue what they lost; the sync
         group is formed again before the next sync."""
         if not ranks:
             return
-        self.restarts.restore_weights(ranks, self.progress.policy_version, self.retained_weights)
+        self.restarts.restore_weights(ranks, self.progress.policy_version, self.sync.retained_weights)
         # Every call the dead process had not finished is made again now, before any later sync: the rounds it
         # was asked for need exactly these weights (each was submitted after the last completed sync).
-        names = {f"producer {rank}" for rank in ranks}
-        outstanding = [c.ref for c in self._outstanding_producer_calls() if c.actor in names]
+        outstanding = [c.ref for c in self.pending.outstanding() if c.actor.rank in ranks]
         ray.wait(outstanding, num_returns=len(outstanding), timeout=min(30.0, self.timeout))
-        for round_index in sorted(self.pending_produce):
-            self.pending_produce[round_index] = redo_lost(self.pending_produce[round_index])
-        if self.eval_before_calls is not None:
-            self.eval_before_calls = redo_lost(self.eval_before_calls)
-        self.sync_group_stale = True
+        self.pending.redo_lost()
+        self.sync.stale = True
         self.metrics.log("faults", self.step, {"faults/producer_restarts": self.restarts.total})
-
-    def _outstanding_producer_calls(self) -> Calls:
-        queued = [c for r in sorted(self.pending_produce) for c in self.pending_produce[r]]
-        return queued + list(self.eval_before_calls or [])
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        return self._log_eval(self._gather(self.producers.evaluate()))
+        (results,) = self._gather(self.producers.evaluate())
+        return self._log_eval(results)
 
     def _submit_eval_before(self) -> None:
         """Queue the eval of the untrained policy on the producers (once; not on resume)."""
-        if self.progress.eval_accuracy_before is None and self.eval_before_calls is None:
-            self.eval_before_calls = self.producers.evaluate()
+        if self.progress.eval_accuracy_before is None and not self.pending.eval_before_submitted:
+            self.pending.submit_eval_before(self.producers.evaluate())
 
     def _log_eval_before(self) -> None:
         """Wait for the eval before training, if queued and not logged yet, and log it at the current step."""
-        if self.eval_before_calls is not None:
-            calls, self.eval_before_calls = self.eval_before_calls, None  # out of the table: re-issued once
-            self.progress.eval_accuracy_before = self._log_eval(self._gather(calls))
+        calls = self.pending.take_eval_before()
+        if calls is not None:
+            (results,) = self._gather(calls)
+            self.progress.eval_accuracy_before = self._log_eval(results)
             self.progress.next_eval_step = self.config.run.eval_interval
 
     def _log_eval(self, results) -> dict[str, float]:
@@ -308,8 +339,8 @@ class Driver:
         gather(self.trainers.set_total_steps(total_steps), self.timeout)  # the LR schedule's end
         n_behind = self.config.schedule.n_behind
         for r in range(self.progress.next_round, min(self.progress.next_round + n_behind + 1, rounds)):
-            if r not in self.pending_produce:  # restored rounds are already in the buffer
-                self.pending_produce[r] = self.producers.produce(r, self.buffer)
+            if r not in self.pending:  # restored rounds are already in the buffer
+                self.pending.submit_round(r, self.producers.produce(r, self.buffer))
             self._submit_eval_before()  # right behind the first round: same weights, and round one need not wait
         self._submit_eval_before()
         progress = tqdm(total=total_steps, initial=self.step, desc="optimizer steps", unit="step")
@@ -327,7 +358,7 @@ class Driver:
                 self.save_checkpoint()
             if round_index + 1 + n_behind < rounds:
                 next_produce = round_index + 1 + n_behind
-                self.pending_produce[next_produce] = self.producers.produce(next_produce, self.buffer)
+                self.pending.submit_round(next_produce, self.producers.produce(next_produce, self.buffer))
         self._log_eval_before()
         progress.close()
         if self.config.run.final_export:
@@ -337,20 +368,20 @@ class Driver:
     def _train_round(self, round_index: int, progress) -> None:
         sample_step = self._rollout_sample_step()
         train_calls = self.trainers.train_round(round_index, self.buffer, sample_step)
-        results = self._gather(train_calls + self.pending_produce.pop(round_index))
-        if not self.startup_reported:
-            self._report_startup(round_index, results[len(self.trainers) :])
+        trained, produced = self._gather(train_calls, self.pending.take_round(round_index))
+        if not self.trace.reported:
+            self._report_startup(round_index, produced)
         self._log_eval_before()
-        self._log_round(results[: len(self.trainers)], results[len(self.trainers) :], progress)
+        self._log_round(trained, produced, progress)
 
     def _sync_weights(self, policy_version: int) -> None:
         started = time.perf_counter()
-        results = self._gather(
-            lambda: self.trainers.push_weights(policy_version) + self.producers.receive_weights(policy_version)
+        senders, _ = self._gather_sync(
+            lambda: [self.trainers.push_weights(policy_version), self.producers.receive_weights(policy_version)]
         )
-        retained = [ref for refs in results[: len(self.trainers)] for ref in refs]
+        retained = [ref for refs in senders for ref in refs]
         if retained:
-            self.retained_weights = retained  # the previous version's copies are freed
+            self.sync.retained_weights = retained  # the previous version's copies are freed
         self.progress.policy_version = policy_version
         self.metrics.log("sync", self.step, {"time/sync_s": time.perf_counter() - started})
 
@@ -364,18 +395,18 @@ class Driver:
                 return index
         return None
 
-    def _log_round(self, trainer_results: list[dict], producer_metrics: list[dict], progress) -> None:
+    def _log_round(self, trainer_results: list[RoundResult], producer_metrics: list[dict], progress) -> None:
         for rank, metrics in enumerate(producer_metrics):
             self.metrics.log("rollout", self.step, {**metrics, "producer": rank})
         first = trainer_results[0]
-        self.progress.dropped_stale_groups += first["dropped_stale_groups"]
-        if first["samples"]:
-            write_rollout_samples(self.rollout_dir, self.step + self._rollout_sample_step() + 1, first["samples"])
-        for step_index in range(len(first["steps"])):
+        self.progress.dropped_stale_groups += first.dropped_stale_groups
+        if first.samples:
+            write_rollout_samples(self.rollout_dir, self.step + self._rollout_sample_step() + 1, first.samples)
+        for step_index in range(len(first.steps)):
             self.progress.step += 1
-            merged = merge_rank_step_metrics([r["steps"][step_index] for r in trainer_results])
+            merged = merge_rank_step_metrics([r.steps[step_index] for r in trainer_results])
             merged["buffer/dropped_stale_groups"] = self.progress.dropped_stale_groups
-            merged["train/data_indices"] = sorted(i for r in trainer_results for i in r["data_indices"][step_index])
+            merged["train/data_indices"] = sorted(i for r in trainer_results for i in r.data_indices[step_index])
             self.metrics.log("train", self.step, merged)
             progress.update(1)
             progress.set_postfix(reward=f"{merged['train/reward']:.3f}", loss=f"{merged['train/loss']:.4f}")
@@ -384,9 +415,9 @@ class Driver:
     def _report_startup(self, round_index: int, producer_metrics: list[dict]) -> None:
         """Log and write (``startup.json``) where the time to this run's first round of rollouts went."""
         report = first_round_report(
-            origin=self.startup_origin,
-            driver=self.startup.drain(),
-            actors=self.actor_startup,
+            origin=self.trace.origin,
+            driver=self.trace.phases.drain(),
+            actors=self.trace.actors,
             arrivals=ray.get(self.buffer.arrival_times.remote(round_index), timeout=self.timeout),
             produce_seconds=[metrics.get("time/produce_s") for metrics in producer_metrics],
             now=time.time(),
@@ -395,7 +426,7 @@ class Driver:
         for line in report.lines():
             logger.info("%s", line)
         self.metrics.log("startup", self.step, {"time/first_rollout_s": report.time_to_first_rollout_s})
-        self.startup_reported = True
+        self.trace.reported = True
 
     def _collect_profile(self) -> None:
         if not self.config.run.enable_profiling:
@@ -412,17 +443,14 @@ class Driver:
         return last_round or self.step // interval > self.last_saved_step // interval
 
     def save_checkpoint(self) -> Path:
-        for round_index in sorted(self.pending_produce):  # finished first, surviving producer restarts
-            calls = self.pending_produce.pop(round_index)  # out of the table while waited on: re-issued once
-            results = self._gather(calls)
-            self.pending_produce[round_index] = [Call(c.name, ray.put(m)) for c, m in zip(calls, results, strict=True)]
+        produced = self.pending.settle(lambda calls: self._gather(calls)[0])  # surviving producer restarts
         final = save_run(
             run_dir=self.run_dir,
             config=self.config,
             progress=self.progress,
             trainers=self.trainers,
             buffer=self.buffer,
-            pending_produce=self.pending_produce,
+            produced_metrics=produced,
             timeout_s=self.timeout,
         )
         self.last_saved_step = self.step

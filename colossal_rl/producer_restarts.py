@@ -14,8 +14,10 @@ import time
 import ray
 
 from colossal_rl.actor_groups import Call, Calls, ProducerGroup, RunFailed, call_outcome, gather
+from colossal_rl.actor_messages import ProducerReady
 
 logger = logging.getLogger(__name__)
+PRODUCER = ProducerGroup.kind
 
 
 def redo_lost(calls: Calls) -> Calls:
@@ -25,7 +27,7 @@ def redo_lost(calls: Calls) -> Calls:
         ready, _ = ray.wait([call.ref], timeout=0)
         return call.redo is not None and bool(ready) and call_outcome(call.ref)[0] != "ok"
 
-    return [Call(c.name, c.redo(), c.redo) if lost(c) else c for c in calls]
+    return [c.again() if lost(c) else c for c in calls]
 
 
 class ProducerRestarts:
@@ -44,10 +46,10 @@ class ProducerRestarts:
     def total(self) -> int:
         return sum(self.counts)
 
-    def record_ready(self, infos: list[dict]) -> None:
-        """The producers' ``ready`` infos at start-up."""
-        self.pids = [info["pid"] for info in infos]
-        self.nodes = [info["node_id"] for info in infos]
+    def record_ready(self, infos: list[ProducerReady]) -> None:
+        """The producers' ``ready`` answers at start-up."""
+        self.pids = [info.pid for info in infos]
+        self.nodes = [info.node_id for info in infos]
 
     def restarted(self, failure: RunFailed, calls: Calls, *, whole_sync: bool) -> list[int]:
         """Producer ranks Ray restarted (new processes) behind ``failure`` of a wait on ``calls``; re-raises it when
@@ -55,29 +57,26 @@ class ProducerRestarts:
         whole, so a trainer's failure in it is a symptom, not a cause)."""
         if self.max_restarts == 0 or not failure.outcomes:  # none allowed, or a hang
             raise failure
-        producer_refs = [c.ref for c in calls if c.actor.startswith("producer")]
+        producer_refs = [c.ref for c in calls if c.actor.kind == PRODUCER]
         settled, _ = ray.wait(producer_refs, num_returns=len(producer_refs), timeout=self.timeout)
         settled = set(settled)
-        outcomes = {c.actor: call_outcome(c.ref)[0] for c in calls if c.ref in settled}
-        outcomes |= {name.split(" (")[0]: outcome for name, outcome in failure.outcomes.items()}
-        trainer_failed = any(a.startswith("trainer") and o != "ok" for a, o in outcomes.items())
-        suspects = sorted(
-            int(actor.split()[1]) for actor, o in outcomes.items() if actor.startswith("producer") and o != "ok"
-        )
+        outcomes = {c.actor: call_outcome(c.ref)[0] for c in calls if c.ref in settled} | failure.outcomes
+        trainer_failed = any(actor.kind != PRODUCER and o != "ok" for actor, o in outcomes.items())
+        suspects = sorted(actor.rank for actor, o in outcomes.items() if actor.kind == PRODUCER and o != "ok")
         if not suspects or (trainer_failed and not whole_sync):
             raise failure
         infos = self._alive(suspects, failure)
-        restarted = [rank for rank, info in zip(suspects, infos, strict=True) if info["pid"] != self.pids[rank]]
+        restarted = [rank for rank, info in zip(suspects, infos, strict=True) if info.pid != self.pids[rank]]
         lost_calls = [c for c in calls if c.ref in settled and call_outcome(c.ref)[0] in ("died", "restarted")]
         if not restarted and not lost_calls and not whole_sync:
             raise failure  # producers that are alive and were not restarted failed: a real error
         for rank, info in zip(suspects, infos, strict=True):
             if rank in restarted:
-                self.pids[rank] = info["pid"]
-                self.nodes[rank] = info["node_id"]
+                self.pids[rank] = info.pid
+                self.nodes[rank] = info.node_id
         return restarted
 
-    def _alive(self, ranks: list[int], failure: RunFailed) -> list[dict]:
+    def _alive(self, ranks: list[int], failure: RunFailed) -> list[ProducerReady]:
         """Each producer's ``ready`` info once Ray has it running again; a producer past its restarts ends the run."""
         deadline = time.monotonic() + self.timeout
         while True:

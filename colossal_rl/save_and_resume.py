@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 
 from colossal_rl import run_checkpoint as ckpt
-from colossal_rl.actor_groups import Call, Calls, TrainerGroup, gather
+from colossal_rl.actor_groups import ActorId, Call, Calls, ProducerGroup, TrainerGroup, gather
 from colossal_rl.config import ConfigError, RLConfig
 from colossal_rl.run_checkpoint import RunProgress
 
@@ -38,13 +38,15 @@ def save_run(
     progress: RunProgress,
     trainers: TrainerGroup,
     buffer,
-    pending_produce: dict[int, Calls],
+    produced_metrics: dict[int, list[dict]],
     timeout_s: float,
 ) -> Path:
-    """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters."""
+    """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters.
+
+    ``produced_metrics``: per round generated and not trained yet, each producer's rollout metrics (the driver waited
+    for those rounds first: ``PendingCalls.settle``); their rollouts are in the buffer's snapshot."""
     staging = ckpt.staging_dir(checkpoints_dir(run_dir), progress.step)
-    # Rollouts already asked for are part of the state: wait for them and store them.
-    pending_metrics = {str(r): gather(calls, timeout_s) for r, calls in pending_produce.items()}
+    pending_metrics = {str(r): metrics for r, metrics in produced_metrics.items()}
     snapshot = ray.get(buffer.snapshot.remote(), timeout=timeout_s)
     snapshot = snapshot.with_payloads(lambda ref: ray.get(ref, timeout=timeout_s))
     gather(trainers.save_checkpoint(str(staging)), timeout_s)
@@ -72,7 +74,7 @@ def restore_run(
     snapshot = ckpt.load_buffer(checkpoint).with_payloads(ray.put)
     ray.get(buffer.restore.remote(snapshot), timeout=timeout_s)
     pending = {
-        int(r): [Call(f"producer {rank} (restored)", ray.put(m)) for rank, m in enumerate(metrics)]
+        int(r): [Call(ActorId(ProducerGroup.kind, rank), "restored", ray.put(m)) for rank, m in enumerate(metrics)]
         for r, metrics in state.pending_rollout_metrics.items()
     }
     logger.info("resumed from %s at step %d (round %d)", checkpoint, progress.step, progress.next_round)

@@ -88,8 +88,8 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
         for rank in range(2):
             ray.get(driver.buffer.put.remote(2, rank, [], 8, 0))
         results = ray.get([t.train_round.remote(2, driver.buffer) for t in driver.trainers], timeout=60)
-        assert all(r["steps"] == [] for r in results)
-        assert results[0]["dropped_stale_groups"] == 16
+        assert all(r.steps == [] for r in results)
+        assert results[0].dropped_stale_groups == 16
     finally:
         driver.shutdown()
         metrics.close()
