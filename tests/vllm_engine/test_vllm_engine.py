@@ -14,21 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from tiny_models import build_head_dim_16, build_qwen3
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from colossal_rl.config import EMBEDDED_MODEL_DIR
 from colossal_rl.producer_env import producer_env_vars
@@ -50,12 +43,6 @@ MESSAGES = [  # the default run's system prompt has spaces: transformers 5 once 
 DECODED_IDS = [[5, 6, 7, 0], [2, 38, 5, 73, 4, 9, 5, 5]]
 
 
-def tokenizer_files(source: Path, target: Path) -> None:
-    for path in source.iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(path, target / path.name)
-
-
 def perturbed_weights(model: torch.nn.Module, path: Path, seed: int) -> dict[str, torch.Tensor]:
     """Every weight moved by noise (a trainer's step stands for it); tied lm_head left out, as the sync does."""
     generator = torch.Generator().manual_seed(seed)
@@ -66,30 +53,6 @@ def perturbed_weights(model: torch.nn.Module, path: Path, seed: int) -> dict[str
         weights[name] = (tensor + 0.02 * torch.randn(tensor.shape, generator=generator)).contiguous()
     save_file(weights, str(path))
     return weights
-
-
-def build_qwen3(directory: Path) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(3)
-    Qwen3ForCausalLM(config).save_pretrained(directory)
-    tokenizer_files(EMBEDDED_MODEL_DIR, directory)
-    return directory
-
-
-def build_head_dim_16(directory: Path) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-    )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    tokenizer_files(EMBEDDED_MODEL_DIR, directory)
-    return directory
 
 
 def prompts_of(model_dir: Path) -> list[list[int]]:
