@@ -4,6 +4,9 @@ transformers 5), trainers on ColossalAI's stack (torch 2.5.1), weights crossing 
 - The default run with ``-b vllm`` learns like the default run (eval lift >= ``DEFAULT_RUN_MIN_GAIN``).
 - A fully on-policy run (``-nb 0``): at every step the trainer's recomputed log-probs equal vLLM's behaviour
   log-probs (every sync reached the engine), also after a producer was killed and restarted by Ray.
+- LoRA (``--lora-rank``): only adapters cross, the producer merges them into the checkpoint's base weights; on
+  policy, every step's log-probs equal vLLM's and the policy the engine serves moves (eval changes).
+- A Qwen3 policy (tiny, random, head_dim 32) trains and syncs on policy; a head_dim-16 model is refused in one line.
 - Bad input: no producer environment, one clear line and no hang.
 """
 
@@ -17,7 +20,9 @@ from pathlib import Path
 
 import pytest
 from run_processes import marked_env, new_marker
+from tiny_models import build_head_dim_16, build_qwen3
 
+from colossal_rl.config import EMBEDDED_MODEL_DIR
 from colossal_rl.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,6 +30,19 @@ DEFAULT_RUN_MIN_GAIN = 0.25
 ON_POLICY_MAX_LOGPROB_DIFF = 1e-3
 """Mean |log p_trainer - log p_vLLM| over a step's tokens with both at the same weights (fp32); a missed sync
 shows up as ~1e-2 or more after one optimizer step."""
+
+MIN_MOVEMENT_PER_STEP = 10 * ON_POLICY_MAX_LOGPROB_DIFF
+"""Mean |log p| change per optimizer step of the trained policy (export against the initial model): a sync that
+missed the engine would leave a log-prob diff of about this size, ten times what ``ON_POLICY_MAX_LOGPROB_DIFF``
+lets through."""
+LORA = ("--lora-rank", "4", "--lora-alpha", "8", "-lr", "2e-3")
+"""LoRA at a learning rate LoRA is trained at (10x the full-weight default): the adapters move the policy by more
+than ``MIN_MOVEMENT_PER_STEP`` a step."""
+DIGIT_SHARE_REWARD = """
+def digit_share(response, row):
+    return sum(character.isdigit() for character in response) / max(1, len(response))
+"""
+"""A reward a random model's samples differ in (the math reward gives them all 0: no advantage, no update)."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.dist]
 
@@ -35,6 +53,47 @@ from test_lifecycle_e2e import Run  # noqa: E402  (the background run with its m
 def run_dir_in(save_dir: Path) -> Path:
     (run_dir,) = [p for p in save_dir.iterdir() if p.is_dir()]
     return run_dir
+
+
+def on_policy_command(save_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(REPO / "rl_example.py"), "-b", "vllm", "--no-wandb", "-nb", "0", "--max-steps", str(steps),
+        "-ei", "0", "--timeout", "300", "-sd", str(save_dir), *extra,
+    ]  # fmt: skip
+
+
+def assert_on_policy_at_every_step(run_dir: Path, steps: int) -> list[dict]:
+    """Every step trained on rollouts of the current weights, with vLLM's log-probs equal to the trainer's."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    diffs = [r["off_policy/logprob_abs_diff"] for r in train]
+    assert max(diffs) < ON_POLICY_MAX_LOGPROB_DIFF, diffs
+    assert all(r["train/staleness"] == 0 for r in train)
+    return records
+
+
+def logprob_movement(initial: Path, trained: Path) -> float:
+    """Mean |log p_trained - log p_initial| over the answer tokens of a few prompts (the trainer's fp32 forward)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(initial)
+    rows = []
+    for question, answer in (("12+34=", "46"), ("7+8=", "15"), ("55+21=", "76")):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        rows.append((prompt, tokenizer(f"The answer is \\boxed{{{answer}}}", add_special_tokens=False).input_ids))
+
+    def answer_logprobs(directory: Path) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+        found = []
+        with torch.no_grad():
+            for prompt, answer in rows:
+                logits = model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+                found.append(logits.log_softmax(-1).gather(-1, torch.tensor(answer)[:, None]).squeeze(-1))
+        return torch.cat(found)
+
+    return float((answer_logprobs(trained) - answer_logprobs(initial)).abs().mean())
 
 
 def test_the_default_run_on_vllm_learns(producer_python, tmp_path):
@@ -96,3 +155,49 @@ def test_an_engine_that_dies_mid_run_restarts_its_producer_and_the_run_finishes(
     assert "died and was restarted (1 of --max-actor-restarts 1)" in run.output
     train = [r for r in read_metrics(run_dir_in(tmp_path) / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 7))
+
+
+def test_lora_every_adapter_sync_reaches_the_engine(producer_python, tmp_path):
+    """The sync carries adapters only; the producer merges them into the base weights it reads from the checkpoint
+    and loads the merged layers (a partial load: norms, embeddings and biases keep their values)."""
+    steps = 3
+    done = subprocess.run(on_policy_command(tmp_path, steps, *LORA), cwd=REPO, env=marked_env(new_marker()),
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "LoRA: the weight sync carries" in done.stderr
+    run_dir = run_dir_in(tmp_path)
+    records = assert_on_policy_at_every_step(run_dir, steps)
+    assert logprob_movement(EMBEDDED_MODEL_DIR, run_dir / "final") > steps * MIN_MOVEMENT_PER_STEP
+    evals = [r["eval/math_accuracy"] for r in records if r["kind"] == "eval"]
+    assert evals[0] != evals[-1], evals  # vLLM's own greedy answers changed: the merged weights are being served
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {"qwen3": build_qwen3(root / "qwen3"), "head_dim_16": build_head_dim_16(root / "head_dim_16")}
+
+
+def test_a_qwen3_policy_trains_and_syncs_through_vllm(producer_python, tiny_models, tmp_path):
+    steps = 3
+    reward = tmp_path / "digit_reward.py"
+    reward.write_text(DIGIT_SHARE_REWARD)
+    command = on_policy_command(tmp_path / "run", steps, "-m", str(tiny_models["qwen3"]), "--reward-fn",
+                                f"{reward}:digit_share")  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=marked_env(new_marker()), capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = run_dir_in(tmp_path / "run")
+    assert_on_policy_at_every_step(run_dir, steps)
+    assert logprob_movement(tiny_models["qwen3"], run_dir / "final") > steps * MIN_MOVEMENT_PER_STEP
+
+
+def test_a_model_vllms_cpu_attention_refuses_ends_the_run_in_one_line(producer_python, tiny_models, tmp_path):
+    command = on_policy_command(tmp_path, 2, "-m", str(tiny_models["head_dim_16"]))
+    done = subprocess.run(command, cwd=REPO, env=marked_env(new_marker()), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, done.stderr[-4000:]
+    assert "the vLLM engine cannot serve" in errors[0] and "this model has 16" in errors[0]
+    assert "use -b transformers" in errors[0]
