@@ -7,6 +7,8 @@ transformers 5), trainers on ColossalAI's stack (torch 2.5.1), weights crossing 
 - LoRA (``--lora-rank``): only adapters cross, the producer merges them into the checkpoint's base weights; on
   policy, every step's log-probs equal vLLM's and the policy the engine serves moves (eval changes).
 - A Qwen3 policy (tiny, random, head_dim 32) trains and syncs on policy; a head_dim-16 model is refused in one line.
+- A two-node ``ray start`` cluster on this machine (``--master_address``): a producer on each node, started with
+  the producers' interpreter by that node's raylet, the run on policy at every step.
 - Bad input: no producer environment, one clear line and no hang.
 """
 
@@ -18,8 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
-from run_processes import marked_env, new_marker
+from ray_start_cluster import STOP_GRACE_S, RayStartCluster, free_port
+from run_processes import marked_env, new_marker, processes_of_run
 from tiny_models import build_head_dim_16, build_qwen3
 
 from colossal_rl.config import EMBEDDED_MODEL_DIR
@@ -188,8 +192,10 @@ def test_a_qwen3_policy_trains_and_syncs_through_vllm(producer_python, tiny_mode
                           timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     run_dir = run_dir_in(tmp_path / "run")
-    assert_on_policy_at_every_step(run_dir, steps)
+    records = assert_on_policy_at_every_step(run_dir, steps)
     assert logprob_movement(tiny_models["qwen3"], run_dir / "final") > steps * MIN_MOVEMENT_PER_STEP
+    evals = [r["eval/math_accuracy"] for r in records if r["kind"] == "eval"]  # scored by --reward-fn
+    assert evals[-1] > evals[0], evals  # vLLM's greedy answers gained digits (seen: "" -> "999...", 0.0 -> 1.0)
 
 
 def test_a_model_vllms_cpu_attention_refuses_ends_the_run_in_one_line(producer_python, tiny_models, tmp_path):
@@ -201,3 +207,58 @@ def test_a_model_vllms_cpu_attention_refuses_ends_the_run_in_one_line(producer_p
     assert len(errors) == 1, done.stderr[-4000:]
     assert "the vLLM engine cannot serve" in errors[0] and "this model has 16" in errors[0]
     assert "use -b transformers" in errors[0]
+
+
+def runs_from(pid: int, environment: Path) -> bool:
+    """Whether process ``pid`` has files of ``environment`` mapped (its interpreter is a symlink to the system's
+    python in every virtualenv, so the executable cannot tell)."""
+    return any(region.path.startswith(f"{environment}/") for region in psutil.Process(pid).memory_maps())
+
+
+@pytest.fixture
+def two_node_cluster():
+    """A head with 1 CPU and a second node with 2, both ``ray start``-ed here; always stopped, every wait bounded."""
+    cluster = RayStartCluster()
+    try:
+        cluster.add_node("head_node", num_cpus=1)
+        cluster.add_node("second_node", num_cpus=2)
+        yield cluster
+    finally:
+        killed = cluster.stop()
+        assert not killed, f"still running {STOP_GRACE_S}s after ray start was stopped: {killed}"
+
+
+def actors_by_node(cluster: RayStartCluster) -> dict[int, tuple[str, str | None]]:
+    """pid -> (Ray actor class, node) of the cluster's producer and trainer processes."""
+    found = {}
+    for pid, command in processes_of_run(cluster.marker).items():
+        for actor in ("ProducerActor", "TrainerActor"):
+            if command.startswith(f"ray::{actor}"):
+                found[pid] = (actor, cluster.node_of(pid))
+    return found
+
+
+def test_vllm_producers_on_a_two_node_ray_start_cluster(producer_python, two_node_cluster, tmp_path):
+    """Placement puts producer 0 on the head (its one CPU), producer 1 and the trainer on the second node; each
+    node's raylet starts its producer with the interpreter the driver resolved (``producer_env``: on real nodes the
+    same path must exist on each, which one machine cannot show). Weights reach both engines at every step."""
+    cluster, steps = two_node_cluster, 4
+    producer_env = Path(producer_python).parents[1].resolve()
+    run = Run(on_policy_command(tmp_path, steps, "-i", "2", "--master_address", cluster.address,
+                                "--master_port", str(free_port())))  # fmt: skip
+    try:
+        run.wait_for(lambda: "optimizer steps:" in run.output, "training started", timeout_s=600)
+        actors = actors_by_node(cluster)
+        nodes = sorted(actors.values())
+        expected = [("ProducerActor", "head_node"), ("ProducerActor", "second_node"), ("TrainerActor", "second_node")]
+        assert nodes == expected, actors
+        for pid, (actor, _) in actors.items():  # vLLM and torch 2.13 loaded from the producers' environment
+            assert runs_from(pid, producer_env) == (actor == "ProducerActor"), actors
+        assert run.finish(timeout_s=900) == 0, run.output[-4000:]
+    finally:
+        if run.process.poll() is None:  # a failed check above: end the driver before the cluster goes
+            run.process.kill()
+    assert f"joining the Ray cluster at {cluster.address}" in run.output
+    records = assert_on_policy_at_every_step(run_dir_in(tmp_path), steps)
+    evals = [r["eval/math_accuracy"] for r in records if r["kind"] == "eval"]
+    assert evals[-1] > evals[0], evals  # both engines served the moving policy to the end
