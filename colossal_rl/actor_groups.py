@@ -233,7 +233,7 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
     """Create the run's buffer, producers and trainers where the placement puts them (not waiting for them)."""
     from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor
     from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port
-    from colossal_rl.producer_env import producer_runtime_env
+    from colossal_rl.producer_env import check_interpreter_on_nodes, producer_runtime_env
 
     sched, par = config.schedule, config.parallel
     producer_threads, trainer_threads = threads_per_actor(
@@ -254,14 +254,18 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
         producer_gpus=config.generation.tensor_parallel_size,
         num_trainers=par.num_trainers,
     )
+    # vLLM producers run in their own Python environment (colossal_rl/producer_env.py); a restart reuses it.
+    producer_env = producer_runtime_env(config.generation.backend)
+    if producer_env and config.run.master_address:  # on a cluster: present on the producers' nodes too?
+        check_interpreter_on_nodes(
+            producer_env["runtime_env"]["py_executable"], placement.producer_nodes, config.run.timeout_s
+        )
     trainers = TrainerGroup(
         TrainerActor.options(**placement.trainers[rank]).remote(
             rank, par.num_trainers, config, placement.trainer_master_address, master_port, trainer_threads
         )
         for rank in range(par.num_trainers)
     )
-    # vLLM producers run in their own Python environment (colossal_rl/producer_env.py); a restart reuses it.
-    producer_env = producer_runtime_env(config.generation.backend)
     producers = ProducerGroup(
         # A producer that dies is restarted by Ray (constructor again, same arguments); its calls in flight fail
         # and the driver re-issues them once it has its weights back (launch.Driver._recover_producers).

@@ -222,6 +222,8 @@ class ActorOptions:
     producers: list[dict[str, Any]]
     trainers: list[dict[str, Any]]
     trainer_master_address: str
+    producer_nodes: list[tuple[str, str]]
+    """(node id, address) of the nodes the producers are placed on (preferred, on CPUs), each once, in order."""
 
 
 def actor_options(
@@ -235,4 +237,5 @@ def actor_options(
         producers=[p.ray_options() for p in placement.producers],
         trainers=[t.ray_options() for t in placement.trainers],
         trainer_master_address=placement.trainer_master_address,
+        producer_nodes=list(dict.fromkeys((p.node_id, p.address) for p in placement.producers)),
     )

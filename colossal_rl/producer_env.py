@@ -311,6 +311,46 @@ def producer_runtime_env(backend: str) -> dict:
     return {"runtime_env": {"py_executable": str(python), "env_vars": producer_env_vars(kind)}}
 
 
+def interpreter_problem(python: str, timeout_s: float = 60.0) -> str | None:
+    """Why ``python`` does not run on this machine (missing, not executable, failing), in one line; None if it runs."""
+    try:
+        done = subprocess.run([python, "-c", "pass"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        return f"exit status {done.returncode}" + (f": {lines[-1]}" if lines else "")
+    return None
+
+
+def check_interpreter_on_nodes(python: str, nodes: list[tuple[str, str]], timeout_s: float) -> None:
+    """Before producers start on a cluster: run ``python`` once on each of ``nodes`` ((Ray node id, address)), and
+    raise :class:`ProducerEnvError` naming the nodes where it does not run. Without this check Ray retries starting
+    the producer there and the run waits ``--timeout`` for an actor that never comes, with no word of why."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(interpreter_problem)
+    calls = [
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(python)
+        for node_id, _ in nodes
+    ]
+    try:
+        problems = ray.get(calls, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ProducerEnvError(f"checking the producers' interpreter {python} on {len(nodes)} node(s): no answer "
+                               f"within {timeout_s:.0f}s (--timeout)") from None  # fmt: skip
+    answers = zip(nodes, problems, strict=True)
+    failing = [f"{address} (node {node_id[:8]}): {problem}" for (node_id, address), problem in answers if problem]
+    if failing:
+        raise ProducerEnvError(
+            f"the producers' interpreter {python} does not run on {'; '.join(failing)}. Every node that hosts a "
+            f"producer needs it at that path: run 'python -m colossal_rl.producer_env build' there from a checkout "
+            f"at the same path, put {cache_root().parent} ({CACHE_VARIABLE}) on a file system the nodes share, or "
+            f"set {PYTHON_OVERRIDE_VARIABLE} to an interpreter present on every node"
+        )
+
+
 def self_check() -> None:
     """Run inside the producer environment by the build's last step: fail unless vLLM and our producer import."""
     import vllm  # noqa: F401

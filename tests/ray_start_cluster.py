@@ -45,9 +45,10 @@ class RayStartCluster:
         self.nodes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
 
-    def add_node(self, name: str, num_cpus: int) -> None:
+    def add_node(self, name: str, num_cpus: int, env: dict[str, str] | None = None) -> None:
         """Start node ``name`` (the first one is the head) with ``num_cpus`` CPUs and resource ``{name: 1}``;
-        returns once ``ray start`` says the node runs."""
+        returns once ``ray start`` says the node runs. ``env``: extra variables of that node's processes (every
+        process Ray starts there inherits them)."""
         head = not self.nodes
         where = ["--head", f"--port={self.address.rsplit(':', 1)[1]}", "--include-dashboard=false"] if head else [
             f"--address={self.address}"
@@ -59,7 +60,7 @@ class RayStartCluster:
         ]  # fmt: skip
         self.logs[name] = Path(self.temp_dir) / f"ray-start-{name}.log"
         with self.logs[name].open("w") as log:
-            self.nodes[name] = subprocess.Popen(command, env=marked_env(self.marker), stdout=log,
+            self.nodes[name] = subprocess.Popen(command, env=marked_env(self.marker) | (env or {}), stdout=log,
                                                 stderr=subprocess.STDOUT)  # fmt: skip
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
         while "Ray runtime started" not in self.logs[name].read_text():

@@ -116,6 +116,17 @@ def test_actor_options_are_ray_options():
     strategies = [o["scheduling_strategy"] for o in options.producers + options.trainers]
     assert all(isinstance(s, NodeAffinitySchedulingStrategy) and not s.soft for s in strategies)
     assert [s.node_id for s in strategies] == [head_id, worker_id, worker_id]
+    assert options.producer_nodes == [(head_id, "10.0.0.1")]  # where the producers' interpreter must run
+
+
+def test_producer_nodes_name_each_producer_node_once_in_order():
+    head_id, worker_id = "a" * 56, "b" * 56
+    cluster = [
+        ray_node(head_id, gpus=2, head=True, address="10.0.0.1"),
+        ray_node(worker_id, gpus=5, address="10.0.0.2"),
+    ]
+    options = actor_options(cluster, num_producers=3, producer_gpus=2, num_trainers=1)
+    assert options.producer_nodes == [(head_id, "10.0.0.1"), (worker_id, "10.0.0.2")]
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from colossal_rl.producer_env import (
     ensure_producer_env,
     env_dir,
     env_python,
+    interpreter_problem,
     is_complete,
     mark_complete,
     producer_env_vars,
@@ -116,3 +117,17 @@ def test_vllm_producers_run_with_their_environments_python_and_the_others_need_n
 def test_a_step_that_hangs_is_stopped_at_its_bound(cache):
     with pytest.raises(ProducerEnvError, match=r"'resolve' took over 1s and was stopped"):
         producer_env._run_step("resolve", [sys.executable, "-c", "import time; time.sleep(60)"], cache / "b.log", 1.0)
+
+
+def test_interpreter_problem_says_in_one_line_why_an_interpreter_does_not_run(tmp_path):
+    """What the cluster check (``check_interpreter_on_nodes``, run on each producer node) reports per node."""
+    assert interpreter_problem(sys.executable) is None
+    missing = tmp_path / "no-env" / "bin" / "python"
+    assert "No such file or directory" in interpreter_problem(str(missing))
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho starting >&2\necho no producer environment on this node >&2\nexit 127\n")
+    broken.chmod(0o755)
+    assert interpreter_problem(str(broken)) == "exit status 127: no producer environment on this node"
+    not_executable = tmp_path / "plain-file"
+    not_executable.write_text("")
+    assert "Permission denied" in interpreter_problem(str(not_executable))

@@ -215,17 +215,46 @@ def runs_from(pid: int, environment: Path) -> bool:
     return any(region.path.startswith(f"{environment}/") for region in psutil.Process(pid).memory_maps())
 
 
-@pytest.fixture
+NO_PRODUCER_ENV_HERE = "COLOSSAL_RL_TEST_NO_PRODUCER_ENV"
+"""Set on the second node only: a wrapper interpreter fails where it is set, as a missing environment would."""
+
+
+@pytest.fixture(scope="module")
 def two_node_cluster():
     """A head with 1 CPU and a second node with 2, both ``ray start``-ed here; always stopped, every wait bounded."""
     cluster = RayStartCluster()
     try:
         cluster.add_node("head_node", num_cpus=1)
-        cluster.add_node("second_node", num_cpus=2)
+        cluster.add_node("second_node", num_cpus=2, env={NO_PRODUCER_ENV_HERE: "1"})
         yield cluster
     finally:
         killed = cluster.stop()
         assert not killed, f"still running {STOP_GRACE_S}s after ray start was stopped: {killed}"
+
+
+def test_a_node_the_producers_interpreter_does_not_run_on_is_named_before_actors_start(
+    producer_python, two_node_cluster, tmp_path
+):
+    """The driver resolves the producers' interpreter on its own machine; on a cluster it must exist at that path on
+    every producer node. Simulated for the second node: an interpreter that fails where ``NO_PRODUCER_ENV_HERE`` is
+    set. The run ends in one line naming that node, instead of Ray retrying the producer until ``--timeout``."""
+    wrapper = tmp_path / "bin" / "python"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ -n "${NO_PRODUCER_ENV_HERE}" ]; then echo "no producer environment here" >&2; exit 127; fi\n'
+        f'exec {producer_python} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    command = on_policy_command(tmp_path / "run", 2, "-i", "2", "--master_address", two_node_cluster.address,
+                                "--master_port", str(free_port()))  # fmt: skip
+    env = marked_env(new_marker()) | {"COLOSSAL_RL_PRODUCER_PYTHON": str(wrapper)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert f"the producers' interpreter {wrapper} does not run on " in errors[0]
+    assert errors[0].count("(node ") == 1 and "exit status 127: no producer environment here" in errors[0]
+    assert "ProducerActor" not in done.stderr  # refused before any producer was started
 
 
 def actors_by_node(cluster: RayStartCluster) -> dict[int, tuple[str, str | None]]:
