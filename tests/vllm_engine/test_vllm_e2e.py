@@ -8,7 +8,8 @@ transformers 5), trainers on ColossalAI's stack (torch 2.5.1), weights crossing 
   policy, every step's log-probs equal vLLM's and the policy the engine serves moves (eval changes).
 - A Qwen3 policy (tiny, random, head_dim 32) trains and syncs on policy; a head_dim-16 model is refused in one line.
 - A two-node ``ray start`` cluster on this machine (``--master_address``): a producer on each node, started with
-  the producers' interpreter by that node's raylet, the run on policy at every step.
+  the producers' interpreter by that node's raylet, the run on policy at every step; a node where that interpreter
+  does not run is named in one line before any actor starts.
 - Bad input: no producer environment, one clear line and no hang.
 """
 
