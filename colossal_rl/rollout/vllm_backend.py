@@ -324,6 +324,13 @@ def to_generation_output(
     )
 
 
+def model_context_length(hf_config: Any) -> int | None:
+    """The model's ``max_position_embeddings``; a vision-language model's is its text config's (transformers 5 keeps
+    it there only: the VLM's engine asked for 524 positions of its 512 and did not start)."""
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return getattr(text_config, "max_position_embeddings", None) or getattr(hf_config, "max_position_embeddings", None)
+
+
 def pad_and_eos_token_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> tuple[int, list[int]]:
     """The CPU backend's rules: pad = tokenizer's pad (else EOS); EOS ids from the generation config."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -388,9 +395,7 @@ class VllmBackend:
         self.model_path = model_path
         self._sampling_params_cls = vllm.SamplingParams
         engine = engine or VllmEngineConfig()
-        max_len = max_model_len(
-            engine.max_model_len, max_sequence_tokens, getattr(self.hf_config, "max_position_embeddings", None)
-        )
+        max_len = max_model_len(engine.max_model_len, max_sequence_tokens, model_context_length(self.hf_config))
         kwargs = engine_kwargs(
             model_path,
             engine,
@@ -609,9 +614,14 @@ def _alive(process: Any) -> bool:
         return False
 
 
+PYDANTIC_LINK_LINE = "For further information visit"
+"""The last line of a pydantic validation error (vLLM's ``EngineArgs``/``ModelConfig``): the reason is the line above."""
+
+
 def engine_start_failure(model_path: str, error: BaseException) -> str:
     """One line saying that the vLLM engine did not start for ``model_path`` (vLLM's traceback is in the log)."""
-    lines = f"{type(error).__name__}: {error}".strip().splitlines()
+    lines = [line.strip() for line in f"{type(error).__name__}: {error}".strip().splitlines()]
+    lines = [line for line in lines if line and not line.startswith(PYDANTIC_LINK_LINE)]  # vLLM's config errors
     reason = lines[-1] if lines else type(error).__name__
     return f"the vLLM engine could not start for {model_path}: {reason[:400]} (vLLM's own traceback is logged above it)"
 

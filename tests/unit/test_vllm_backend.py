@@ -246,6 +246,30 @@ def test_max_model_len_is_configured_or_prompt_plus_response_capped_by_the_model
     assert max_model_len(None, None, 256) is None
 
 
+def test_a_vision_language_models_context_is_its_text_configs():
+    from transformers import AutoConfig
+
+    from colossal_rl.config import EMBEDDED_VLM_DIR
+    from colossal_rl.rollout.vllm_backend import model_context_length
+
+    config = AutoConfig.from_pretrained(EMBEDDED_VLM_DIR)
+    assert model_context_length(config) == 512 == config.get_text_config().max_position_embeddings
+    assert model_context_length(AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR)) == 256
+    text_only = type("TransformersFiveVLConfig", (), {"get_text_config": lambda self: config.get_text_config()})()
+    assert model_context_length(text_only) == 512  # no top-level max_position_embeddings, as in transformers 5
+
+
+def test_a_config_validation_error_of_vllm_is_named_by_its_reason_not_its_link():
+    from colossal_rl.rollout.vllm_backend import engine_start_failure
+
+    error = ValueError(
+        "1 validation error for ModelConfig\n  Value error, User-specified max_model_len (524) is greater than the "
+        "derived max_model_len [type=value_error]\n    For further information visit https://errors.pydantic.dev/v"
+    )
+    message = engine_start_failure("m", error)
+    assert "User-specified max_model_len (524)" in message and "further information" not in message
+
+
 def test_greedy_prompts_are_repeated_sampled_ones_are_not():
     prompts = [[1, 2], [3]]
     assert request_prompts(prompts, 3, greedy=False) == prompts
