@@ -4,6 +4,8 @@ transformers 5), trainers on ColossalAI's stack (torch 2.5.1), weights crossing 
 - The default run with ``-b vllm`` learns like the default run (eval lift >= ``DEFAULT_RUN_MIN_GAIN``).
 - A fully on-policy run (``-nb 0``): at every step the trainer's recomputed log-probs equal vLLM's behaviour
   log-probs (every sync reached the engine), also after a producer was killed and restarted by Ray.
+- The embedded tiny VLM on the shapes task (image prompts through the engine): a few fully on-policy steps, trainer
+  and vLLM log-probs equal at each (every sync, vision tower included, reached the engine).
 - Bad input: no producer environment, one clear line and no hang.
 """
 
@@ -96,3 +98,27 @@ def test_an_engine_that_dies_mid_run_restarts_its_producer_and_the_run_finishes(
     assert "died and was restarted (1 of --max-actor-restarts 1)" in run.output
     train = [r for r in read_metrics(run_dir_in(tmp_path) / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 7))
+
+
+VLM_STEPS = 3
+
+
+def test_the_tiny_vlm_runs_on_vllm_with_image_prompts_and_stays_on_policy(producer_python, tmp_path):
+    """README's vision-language command on ``-b vllm``, a few fully on-policy steps: producers generate from the
+    shapes task's pictures on the real engine, every sync (language model and vision tower) reaches it — the
+    trainer's recomputed log-probs equal vLLM's behaviour log-probs at every step — and the run finishes."""
+    from colossal_rl.config import EMBEDDED_SHAPES_TRAIN_DATA, EMBEDDED_VLM_DIR
+
+    command = [
+        sys.executable, "rl_example.py", "-b", "vllm", "--no-wandb", "-m", str(EMBEDDED_VLM_DIR),
+        "-d", str(EMBEDDED_SHAPES_TRAIN_DATA), "-rt", "boxed", "-mnt", "12", "-nb", "0",
+        "--max-steps", str(VLM_STEPS), "-ei", "0", "--timeout", "300", "-sd", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=marked_env(new_marker()), capture_output=True, text=True,
+                          timeout=1500)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    train = [r for r in read_metrics(run_dir_in(tmp_path) / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, VLM_STEPS + 1))
+    diffs = [r["off_policy/logprob_abs_diff"] for r in train]
+    assert max(diffs) < ON_POLICY_MAX_LOGPROB_DIFF, diffs
+    assert all(r["train/staleness"] == 0 for r in train)
