@@ -7,7 +7,8 @@ Per case: start the engine (or record the one-line start failure), generate samp
 load the weights file given (the "sync"), generate again with the same seeds, and read the weights back. A case with
 ``vision_rows`` (a vision-language model) encodes them with the backend's processor, as a producer does, generates
 with their images, writes their processed images (what the trainers would receive) to ``vision_file`` and records
-the installed vLLM's Qwen2.5-VL name mappers.
+the installed vLLM's Qwen2.5-VL name mappers; ``language_only_weights`` is a second load without the vision tower
+(a frozen tower's sync), generated from again.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def run_case(case: dict) -> dict:
             result["read_back"] = "read"
         except Exception as error:
             result["read_back"] = str(error)
+        if case.get("language_only_weights"):  # a frozen vision tower's sync: the tower's weights left out
+            backend.load_weights(load_file(case["language_only_weights"]))
+            result["after_language_only"] = generate_all(backend, case, prompts, vision, images)
         if case.get("lora_names"):
             base = backend.base_weights(set(case["lora_names"]))
             result["lora_base_names"] = sorted(base)

@@ -4,9 +4,11 @@ the trainers' own forward here (torch 2.5.1, transformers 4.51.3).
 
 One subprocess in the producers' environment (``engine_checks.py``) encodes shapes-task rows with the backend's
 processor (as a producer does), generates with their images, loads perturbed weights — the language model's and
-the vision tower's — and generates again. Here, the trainer's model recomputes every behaviour log-prob from the
-same rows and the processed images the producer would send; after the load, only the new weights of *both* parts
-explain the engine's log-probs (the load reached the tower too). Also: the prompts equal the trainers' own encoding,
+the vision tower's — and generates again. Here, the trainer's model and its padded micro-batch path (layout,
+multimodal positions, image features) recompute every behaviour log-prob from the same rows and the processed
+images the producer would send; after the load, only the new weights of *both* parts
+explain the engine's log-probs (the load reached the tower too); a second load without the tower (a frozen tower's
+sync) changes the language model only. Also: the prompts equal the trainers' own encoding,
 and the installed vLLM's name mappers equal ``vllm_weights``' copy. (An environment without torchvision refuses a
 vision-language model in one line before its engine starts: ``tests/unit/test_vllm_backend.py``.)
 """
@@ -26,8 +28,10 @@ from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 from colossal_rl.config import EMBEDDED_SHAPES_EVAL_DATA, EMBEDDED_VLM_DIR
 from colossal_rl.producer_env import producer_env_vars
 from colossal_rl.rollout.vllm_weights import MULTIMODAL_NAMES, VISION_STACKED_PARAMS
-from colossal_rl.training.policy_forward import response_terms
+from colossal_rl.training.micro_batch_forward import embed_with_images
+from colossal_rl.training.sequence_layout import padded_layout
 from colossal_rl.vision.prompts import encode_vision_prompt, open_image, with_image_parts
+from colossal_rl.vision.rope import RopeTokens, sequence_positions
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -79,10 +83,13 @@ def vlm_run(producer_python, tmp_path_factory):
     state = trainer_model(None).state_dict()
     weights = perturbed(state, seed=7)
     save_file(weights, str(root / "vlm.safetensors"))
+    language_only = {n: t for n, t in perturbed(weights, seed=8).items() if not n.startswith("visual.")}
+    save_file(language_only, str(root / "language_only.safetensors"))
     rows = shapes_rows()
     common = {"model": str(EMBEDDED_VLM_DIR), "vision_rows": rows, "temperature": TEMPERATURE,
               "max_new_tokens": MAX_NEW_TOKENS, "stop_strings": ["}"], "decode": DECODED_IDS}  # fmt: skip
-    case = {"name": "vlm", "weights": str(root / "vlm.safetensors"), "vision_file": str(root / "vision.safetensors")}
+    case = {"name": "vlm", "weights": str(root / "vlm.safetensors"), "vision_file": str(root / "vision.safetensors"),
+            "language_only_weights": str(root / "language_only.safetensors")}  # fmt: skip
     request, result = root / "vlm.request.json", root / "vlm.result.json"
     request.write_text(json.dumps({"cases": [common | case]}))
     run = subprocess.run([producer_python, str(CHECKS), str(request), str(result)], capture_output=True, text=True,
@@ -90,7 +97,8 @@ def vlm_run(producer_python, tmp_path_factory):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(result.read_text())
     vision = load_file(str(root / "vision.safetensors"))
-    return {"results": results, "state": state, "weights": weights, "rows": rows, "vision": vision}
+    return {"results": results, "state": state, "weights": weights, "language_only": language_only, "rows": rows,
+            "vision": vision}  # fmt: skip
 
 
 def vision_of_prompt(vision: dict[str, torch.Tensor], prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,23 +106,29 @@ def vision_of_prompt(vision: dict[str, torch.Tensor], prompt: int) -> tuple[torc
 
 
 def trainer_logprobs(weights, output: dict, vision: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-    """The trainer's model's log-probs of the engine's sampled tokens, with the producer's processed images
-    (rows are group-major: row r belongs to prompt r // (rows / prompts))."""
+    """The trainer's log-probs of the engine's sampled tokens, computed as its padded micro-batch forward does
+    (``padded_layout`` with the prompts' multimodal positions, image features at prompt image tokens only —
+    a sampled response may contain image or vision tokens) from the producer's processed images; rows are
+    group-major: row r belongs to prompt r // (rows / prompts)."""
     rows = {key: torch.tensor(value) for key, value in output.items() if key != "responses"}
-    input_ids = torch.cat([rows["prompt_ids"], rows["response_ids"]], dim=1)
-    attention_mask = torch.cat([rows["prompt_mask"], rows["response_mask"]], dim=1)
-    per_prompt = input_ids.shape[0] // NUM_ROWS
-    pixels, grids = zip(
-        *(vision_of_prompt(vision, row // per_prompt) for row in range(input_ids.shape[0])), strict=True
-    )
-    pixel_values, image_grid_thw = torch.cat(pixels), torch.cat(grids)
     model = trainer_model(weights)
+    tokens = RopeTokens.of(model.config)
+    per_prompt = rows["prompt_ids"].shape[0] // NUM_ROWS
+    owners = [vision_of_prompt(vision, row // per_prompt) for row in range(rows["prompt_ids"].shape[0])]
+    prompt_positions = [
+        sequence_positions(ids[mask.bool()], grid, tokens)
+        for ids, mask, (_, grid) in zip(rows["prompt_ids"], rows["prompt_mask"], owners, strict=True)
+    ]
+    layout = padded_layout(rows["prompt_ids"], rows["prompt_mask"], rows["response_ids"], rows["response_mask"],
+                           prompt_positions=prompt_positions)  # fmt: skip
+    inputs = dict(layout.inputs)
+    images = {"pixel_values": torch.cat([p for p, _ in owners]), "image_grid_thw": torch.cat([g for _, g in owners])}
     with torch.no_grad():
-        position_ids, _ = model.get_rope_index(input_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       pixel_values=pixel_values, image_grid_thw=image_grid_thw).logits  # fmt: skip
-        logprobs, _ = response_terms(logits, prompt_length=rows["prompt_ids"].shape[1],
-                                     response_ids=rows["response_ids"], temperature=TEMPERATURE)  # fmt: skip
+        embeds = embed_with_images(model, inputs.pop("input_ids"), layout.prompt_token_mask, images,
+                                   tokens.image_token_id)  # fmt: skip
+        logits = model(inputs_embeds=embeds, **inputs).logits
+        logprobs, _ = layout.response_terms(logits, rows["response_ids"], temperature=TEMPERATURE, head_weight=None,
+                                            with_entropy=False)  # fmt: skip
     return logprobs, rows
 
 
@@ -137,6 +151,17 @@ def test_the_load_reached_the_language_model_and_the_vision_tower(vlm_run):
         logprobs, rows = trainer_logprobs(weights, after, vlm_run["vision"])
         mask = rows["response_mask"].bool()
         assert (rows["behaviour_logprobs"][mask] - logprobs[mask]).abs().max() > 100 * LOGPROB_TOLERANCE
+
+
+def test_a_sync_without_the_frozen_tower_loads_the_language_model_and_keeps_the_tower(vlm_run):
+    """A second load leaves the tower out (``--freeze-vision-tower``'s sync): the engine then computes with the new
+    language model and the tower of the first load, and no longer with the first load's language model."""
+    output = vlm_run["results"]["vlm"]["after_language_only"]["sampled"]
+    logprobs, rows = trainer_logprobs(vlm_run["weights"] | vlm_run["language_only"], output, vlm_run["vision"])
+    mask = rows["response_mask"].bool()
+    torch.testing.assert_close(rows["behaviour_logprobs"][mask], logprobs[mask], atol=LOGPROB_TOLERANCE, rtol=0)
+    first, _ = trainer_logprobs(vlm_run["weights"], output, vlm_run["vision"])
+    assert (rows["behaviour_logprobs"][mask] - first[mask]).abs().max() > 100 * LOGPROB_TOLERANCE
 
 
 def test_prompts_are_the_trainers_encoding_and_rows_carry_them(vlm_run):
