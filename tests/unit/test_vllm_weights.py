@@ -4,9 +4,10 @@ read from the checkpoint — all without vLLM (``tests/vllm_engine`` runs the re
 
 ``vllm_073_parameter_names`` writes down, from vLLM 0.7.3's vllm/model_executor/models/qwen2.py and llama.py,
 which parameters those models hold: fused ``qkv_proj`` (bias in Qwen2 only) and ``gate_up_proj``, no
-``lm_head`` parameter of its own when embeddings are tied. ``vllm_073_qwen2_5_vl_parameter_names`` does the same
-for Qwen2.5-VL (qwen2_5_vl.py): the vision tower under ``visual.`` with Hugging Face's names (its MLP unfused), the
-Qwen2 language model under ``language_model.``."""
+``lm_head`` parameter of its own when embeddings are tied (unchanged in vLLM 0.32).
+``vllm_032_qwen2_5_vl_parameter_names`` does the same for Qwen2.5-VL from vLLM 0.32's qwen2_5_vl.py: the vision
+tower under ``visual.`` with its MLP's gate/up fused into ``gate_up_proj`` (0.7.3 kept them apart), the Qwen2
+language model under ``language_model.``; ``tests/vllm_engine`` checks the list against the real engine's."""
 
 from __future__ import annotations
 
@@ -91,16 +92,16 @@ def hf_vl_state_dict(config) -> dict[str, torch.Tensor]:
     return dict(Qwen2_5_VLForConditionalGeneration(config).state_dict())
 
 
-def vllm_073_qwen2_5_vl_parameter_names(config) -> set[str]:
-    """vLLM 0.7.3's Qwen2_5_VLForConditionalGeneration parameters: ``visual`` (Qwen2_5_VisionTransformer, :476-531:
-    patch embedding, blocks with RMS norms, ``attn.qkv``/``attn.proj`` and an unfused MLP with biases, the merger)
-    and ``language_model`` (a Qwen2ForCausalLM, :781-785)."""
+def vllm_032_qwen2_5_vl_parameter_names(config) -> set[str]:
+    """vLLM 0.32's Qwen2_5_VLForConditionalGeneration parameters: ``visual`` (Qwen2_5_VisionTransformer: patch
+    embedding, blocks with RMS norms, ``attn.qkv``/``attn.proj`` and an MLP of ``gate_up_proj``/``down_proj``, all
+    with biases, the merger) and ``language_model`` (a Qwen2ForCausalLM)."""
     names = {"visual.patch_embed.proj.weight", "visual.merger.ln_q.weight"}
     names |= {f"visual.merger.mlp.{i}.{kind}" for i in (0, 2) for kind in ("weight", "bias")}
     for block in range(config.vision_config.depth):
         prefix = f"visual.blocks.{block}"
         names |= {f"{prefix}.norm1.weight", f"{prefix}.norm2.weight"}
-        for module in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        for module in ("attn.qkv", "attn.proj", "mlp.gate_up_proj", "mlp.down_proj"):
             names |= {f"{prefix}.{module}.weight", f"{prefix}.{module}.bias"}
     names |= {f"language_model.{name}" for name in vllm_073_parameter_names(config, qkv_bias=True)}
     return names
@@ -230,11 +231,13 @@ def test_vision_language_weights_land_in_vllm_qwen2_5_vl_parameters(tied):
     weights = to_vllm_weights(state, tie_word_embeddings=tied)
     assert [name for name, _ in weights] == [name for name in state if not (tied and name == "lm_head.weight")]
     targets = {name: vllm_parameter_name(name, VL) for name, _ in weights}
-    assert set(targets.values()) == vllm_073_qwen2_5_vl_parameter_names(config)
-    # The prefix mapper, the language model's fusion, and the tower's names kept (its MLP is not fused).
+    assert set(targets.values()) == vllm_032_qwen2_5_vl_parameter_names(config)
+    # The prefix mapper, the language model's fusion, the tower's MLP fused by its own loader, its qkv kept.
     assert targets["model.layers.1.self_attn.k_proj.bias"] == "language_model.model.layers.1.self_attn.qkv_proj.bias"
     assert targets["model.layers.0.mlp.up_proj.weight"] == "language_model.model.layers.0.mlp.gate_up_proj.weight"
-    assert targets["visual.blocks.0.mlp.gate_proj.weight"] == "visual.blocks.0.mlp.gate_proj.weight"
+    assert targets["visual.blocks.0.mlp.gate_proj.weight"] == "visual.blocks.0.mlp.gate_up_proj.weight"
+    assert targets["visual.blocks.0.mlp.up_proj.bias"] == "visual.blocks.0.mlp.gate_up_proj.bias"
+    assert targets["visual.blocks.0.mlp.down_proj.weight"] == "visual.blocks.0.mlp.down_proj.weight"
     assert targets["visual.blocks.1.attn.qkv.bias"] == "visual.blocks.1.attn.qkv.bias"
     if not tied:
         assert targets["lm_head.weight"] == "language_model.lm_head.weight"
@@ -255,12 +258,25 @@ def test_architecture_names_and_the_way_back():
     assert omissible_prefixes(VL) == ("visual.",) and omissible_prefixes("Qwen2ForCausalLM") == ()
 
 
+def test_transformers_452_checkpoint_names_map_like_vllms_mapper():
+    """transformers >= 4.52 saves Qwen2.5-VL as ``model.language_model.*`` / ``model.visual.*``: vLLM 0.32's mapper
+    takes those first, so they land in the same parameters as 4.51's names."""
+    assert vllm_parameter_name("model.language_model.layers.0.mlp.up_proj.weight", VL) == (
+        "language_model.model.layers.0.mlp.gate_up_proj.weight"
+    )
+    assert (
+        vllm_parameter_name("model.visual.blocks.0.mlp.gate_proj.bias", VL) == "visual.blocks.0.mlp.gate_up_proj.bias"
+    )
+    assert vllm_parameter_name("model.visual.merger.ln_q.weight", VL) == "visual.merger.ln_q.weight"
+    assert vllm_parameter_name("model.norm.weight", VL) == "language_model.model.norm.weight"
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_reading_vision_language_weights_back_gives_the_trainer_state_dict(tied):
     config = tiny_vl_config(tied)
     state = hf_vl_state_dict(config)
     held = fuse_like_vllm(state, config, VL)
-    assert set(held) == vllm_073_qwen2_5_vl_parameter_names(config)
+    assert set(held) == vllm_032_qwen2_5_vl_parameter_names(config)
     back = from_vllm_weights(held, config)
     assert set(back) == set(state)
     for name, tensor in state.items():
@@ -270,7 +286,7 @@ def test_reading_vision_language_weights_back_gives_the_trainer_state_dict(tied)
 def test_a_sync_without_the_frozen_vision_tower_loads_and_reaches_everything_else():
     config = tiny_vl_config(tied=True)
     state = hf_vl_state_dict(config)
-    parameters = vllm_073_qwen2_5_vl_parameter_names(config)
+    parameters = vllm_032_qwen2_5_vl_parameter_names(config)
     full = to_vllm_weights(state, tie_word_embeddings=True)
     assert load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, architecture=VL)), full, VL, ("visual.",)) == []
 
@@ -294,7 +310,7 @@ def test_a_lora_sync_of_merged_layers_only_is_partial_on_purpose_but_unknown_nam
     """With LoRA the producer sends only the layers the adapters changed (merged): nothing else is expected."""
     config = tiny_vl_config(tied=True)
     state = hf_vl_state_dict(config)
-    parameters = vllm_073_qwen2_5_vl_parameter_names(config)
+    parameters = vllm_032_qwen2_5_vl_parameter_names(config)
     merged = {name: t for name, t in state.items() if name.endswith(("q_proj.weight", "v_proj.weight"))}
     weights = to_vllm_weights(merged, tie_word_embeddings=True)
     strict = load_weights_on_worker(FakeWorker(FakeVllmModel(parameters, architecture=VL)), weights, VL)

@@ -4,7 +4,11 @@ on CPU and write what it returned as JSON, for the trainers' environment to chec
     <producer python> engine_checks.py request.json result.json
 
 Per case: start the engine (or record the one-line start failure), generate sampled, greedy and stop-string rows,
-load the weights file given (the "sync"), generate again with the same seeds, and read the weights back.
+load the weights file given (the "sync"), generate again with the same seeds, and read the weights back. A case with
+``vision_rows`` (a vision-language model) encodes them with the backend's processor, as a producer does, generates
+with their images, writes their processed images (what the trainers would receive) to ``vision_file`` and records
+the installed vLLM's Qwen2.5-VL name mappers; ``language_only_weights`` is a second load without the vision tower
+(a frozen tower's sync), generated from again.
 """
 
 from __future__ import annotations
@@ -26,18 +30,19 @@ def output_to_json(output) -> dict:
     }
 
 
-def generate_all(backend, case: dict) -> dict:
+def generate_all(backend, case: dict, prompts: list[list[int]], vision=None, images=None) -> dict:
     import torch
 
     from colossal_rl.rollout.backend import SamplingSettings
 
-    prompts, new = case["prompts"], case["max_new_tokens"]
+    new, extra = case["max_new_tokens"], {"vision": vision, "images": images} if images is not None else {}
     torch.manual_seed(0)
-    sampled = backend.generate(prompts, 4, SamplingSettings(temperature=case["temperature"], max_new_tokens=new))
-    greedy = backend.generate(prompts, 2, SamplingSettings(temperature=1.0, greedy=True, max_new_tokens=new))
+    sampled = backend.generate(prompts, 4, SamplingSettings(temperature=case["temperature"], max_new_tokens=new),
+                               **extra)  # fmt: skip
+    greedy = backend.generate(prompts, 2, SamplingSettings(temperature=1.0, greedy=True, max_new_tokens=new), **extra)
     torch.manual_seed(0)
     stops = SamplingSettings(temperature=1.0, max_new_tokens=new, stop_strings=tuple(case["stop_strings"]))
-    stopped = backend.generate(prompts, 4, stops)
+    stopped = backend.generate(prompts, 4, stops, **extra)
     return {"sampled": output_to_json(sampled), "greedy": output_to_json(greedy), "stopped": output_to_json(stopped)}
 
 
@@ -68,6 +73,42 @@ def receive_in_workers(backend, weights, tensor_parallel_size: int) -> None:
     senders[0].close()
 
 
+def vision_prompts(backend, case: dict) -> tuple[list[list[int]], list, list]:
+    """The case's image rows encoded as a producer encodes them (prompt ids, VisionInputs, raw images); the
+    processed images are saved for the trainers' side."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from colossal_rl.vision.prompts import encode_vision_prompt, open_image, with_image_parts
+
+    prompts, vision, images = [], [], []
+    for index, row in enumerate(case["vision_rows"]):
+        row_images = [open_image(path, Path("/"), f"row {index}") for path in row["images"]]
+        messages = with_image_parts(row["messages"], len(row_images), f"row {index}")
+        ids, inputs = encode_vision_prompt(backend.processor, messages, row_images)
+        prompts.append(ids)
+        vision.append(inputs)
+        images.append(row_images)
+    tensors = {f"pixel_values.{i}": v.pixel_values.contiguous() for i, v in enumerate(vision)}
+    tensors |= {f"image_grid_thw.{i}": v.image_grid_thw.contiguous() for i, v in enumerate(vision)}
+    save_file(tensors, case["vision_file"])
+    return prompts, vision, images
+
+
+def qwen2_5_vl_mappers() -> dict:
+    """The installed vLLM's Qwen2.5-VL weight-name mappers (what ``vllm_weights.MULTIMODAL_NAMES`` mirrors)."""
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionTransformer, Qwen2_5_VLForConditionalGeneration
+
+    stacked = Qwen2_5_VisionTransformer.hf_to_vllm_mapper.orig_to_new_stacked
+    return {
+        "prefixes": [
+            list(pair) for pair in Qwen2_5_VLForConditionalGeneration.hf_to_vllm_mapper.orig_to_new_prefix.items()
+        ],
+        "vision_stacked": {part: list(target) for part, target in stacked.items()},
+    }
+
+
 def run_case(case: dict) -> dict:
     from safetensors.torch import load_file
 
@@ -79,10 +120,14 @@ def run_case(case: dict) -> dict:
         backend = VllmBackend(case["model"], seed=0, dtype="float32", engine=VllmEngineConfig(max_model_len=128),
                               tensor_parallel_size=case.get("tensor_parallel_size", 1))  # fmt: skip
     except Exception as error:  # what a user would see: the one line the backend raises
-        return {"start_error": str(error)}
+        return {"start_error": str(error), "start_s": time.perf_counter() - started}
     from colossal_rl.data import encode_prompt
 
-    result = {"start_s": time.perf_counter() - started, "before": generate_all(backend, case)}
+    prompts, vision, images = case.get("prompts"), None, None
+    if case.get("vision_rows"):
+        prompts, vision, images = vision_prompts(backend, case)
+    result = {"start_s": time.perf_counter() - started, "prompts": prompts}
+    result["before"] = generate_all(backend, case, prompts, vision, images)
     # What the producer feeds the engine and scores: its tokenizer here runs on transformers 5.
     result["encoded"] = [encode_prompt(backend.tokenizer, messages) for messages in case.get("messages", [])]
     result["decoded"] = backend.tokenizer.batch_decode(case.get("decode", []), skip_special_tokens=True)
@@ -94,15 +139,20 @@ def run_case(case: dict) -> dict:
         else:
             backend.load_weights(weights)
         result["load_s"] = time.perf_counter() - started
-        result["after"] = generate_all(backend, case)
+        result["after"] = generate_all(backend, case, prompts, vision, images)
         try:
             backend.named_weights()
             result["read_back"] = "read"
         except Exception as error:
             result["read_back"] = str(error)
+        if case.get("language_only_weights"):  # a frozen vision tower's sync: the tower's weights left out
+            backend.load_weights(load_file(case["language_only_weights"]))
+            result["after_language_only"] = generate_all(backend, case, prompts, vision, images)
         if case.get("lora_names"):
             base = backend.base_weights(set(case["lora_names"]))
             result["lora_base_names"] = sorted(base)
+    if case.get("vision_rows"):
+        result["mappers"] = qwen2_5_vl_mappers()
     backend.close()
     return result
 

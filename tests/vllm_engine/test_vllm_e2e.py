@@ -10,6 +10,8 @@ transformers 5), trainers on ColossalAI's stack (torch 2.5.1), weights crossing 
 - A two-node ``ray start`` cluster on this machine (``--master_address``): a producer on each node, started with
   the producers' interpreter by that node's raylet, the run on policy at every step; a node where that interpreter
   does not run is named in one line before any actor starts.
+- The embedded tiny VLM on the shapes task (image prompts through the engine): a few fully on-policy steps, trainer
+  and vLLM log-probs equal at each (every sync, vision tower included, reached the engine).
 - Bad input: no producer environment, one clear line and no hang.
 """
 
@@ -292,3 +294,27 @@ def test_vllm_producers_on_a_two_node_ray_start_cluster(producer_python, two_nod
     records = assert_on_policy_at_every_step(run_dir_in(tmp_path), steps)
     evals = [r["eval/math_accuracy"] for r in records if r["kind"] == "eval"]
     assert evals[-1] > evals[0], evals  # both engines served the moving policy to the end
+
+
+VLM_STEPS = 3
+
+
+def test_the_tiny_vlm_runs_on_vllm_with_image_prompts_and_stays_on_policy(producer_python, tmp_path):
+    """README's vision-language command on ``-b vllm``, a few fully on-policy steps: producers generate from the
+    shapes task's pictures on the real engine, every sync (language model and vision tower) reaches it — the
+    trainer's recomputed log-probs equal vLLM's behaviour log-probs at every step — and the run finishes."""
+    from colossal_rl.config import EMBEDDED_SHAPES_TRAIN_DATA, EMBEDDED_VLM_DIR
+
+    command = [
+        sys.executable, "rl_example.py", "-b", "vllm", "--no-wandb", "-m", str(EMBEDDED_VLM_DIR),
+        "-d", str(EMBEDDED_SHAPES_TRAIN_DATA), "-rt", "boxed", "-mnt", "12", "-nb", "0",
+        "--max-steps", str(VLM_STEPS), "-ei", "0", "--timeout", "300", "-sd", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=marked_env(new_marker()), capture_output=True, text=True,
+                          timeout=1500)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    train = [r for r in read_metrics(run_dir_in(tmp_path) / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, VLM_STEPS + 1))
+    diffs = [r["off_policy/logprob_abs_diff"] for r in train]
+    assert max(diffs) < ON_POLICY_MAX_LOGPROB_DIFF, diffs
+    assert all(r["train/staleness"] == 0 for r in train)
