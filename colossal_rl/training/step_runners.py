@@ -1,7 +1,7 @@
 """How a chunk of a step's samples runs through the policy: plainly, or through ColossalAI's pipeline schedule.
 
 A step runner does a chunk's forward/backward (gradients of its share of the step loss) and its no-grad
-log-probs, and says where the step's metrics end up. The trainer picks one at build (:func:`step_runner`):
+log-probs, and says where the step's metrics end up. The trainer picks one at build (:func:`step_runner_for`):
 :class:`PlainSteps` (micro-batches in the configured sequence layout, ``training/micro_batch_forward.py``) or
 :class:`PipelineSteps` (1F1B pipeline micro-batches, padded); nothing else branches on pipeline parallelism,
 so the two paths keep the same interface. No loss math (the :class:`StepLoss` they are given), no optimizer
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from colossalai.booster import Booster
     from colossalai.booster.plugin import Plugin
 
-__all__ = ["PipelineSteps", "PlainSteps", "step_runner"]
+__all__ = ["PipelineSteps", "PlainSteps", "step_runner_for"]
 
 
 class PlainSteps:
@@ -163,7 +163,7 @@ class PipelineSteps:
         return message[0]
 
 
-def step_runner(
+def step_runner_for(
     plugin: Plugin, pp_size: int, micro_forward: MicroBatchForward, booster: Booster, optimizer, dp_size: int
 ) -> PlainSteps | PipelineSteps:
     """The runner for ``parallel.pp_size``: :class:`PipelineSteps` when it is above 1, else :class:`PlainSteps`."""

@@ -37,7 +37,7 @@ from colossal_rl.training.micro_batch_forward import MicroBatchForward
 from colossal_rl.training.objective import objective_for
 from colossal_rl.training.round_plan import epoch_steps
 from colossal_rl.training.step_loss import StepCounts, StepLoss, StepTotals
-from colossal_rl.training.step_runners import PipelineSteps, PlainSteps, step_runner
+from colossal_rl.training.step_runners import PipelineSteps, PlainSteps, step_runner_for
 from colossal_rl.vision.models import is_vision_language_config
 from colossal_rl.vision.rope import RopeTokens
 
@@ -117,7 +117,7 @@ class Trainer:
         self.pad_token_id = 0
         self.micro_forward: MicroBatchForward | None = None
         """The policy's micro-batch forward in the configured sequence layout (also used for the reference model)."""
-        self.steps: PlainSteps | PipelineSteps | None = None
+        self.step_runner: PlainSteps | PipelineSteps | None = None
         """How a chunk runs: plainly or through the pipeline schedule (``training/step_runners.py``)."""
 
     # ------------------------------------------------------------------ setup
@@ -271,7 +271,7 @@ class Trainer:
             max_over_ranks=self._global_max if self.dp_size > 1 else None,
             rope_tokens=rope_tokens_of(model_config),
         )
-        self.steps = step_runner(
+        self.step_runner = step_runner_for(
             self.plugin, self.config.parallel.pp_size, self.micro_forward, self.booster, self.optimizer, self.dp_size
         )
 
@@ -317,7 +317,7 @@ class Trainer:
 
         None on pipeline stages other than the last (only the last stage sees the outputs).
         """
-        parts = [self.steps.logprobs_no_grad(model, chunk.to(self.device)) for chunk in self._chunks(batch)]
+        parts = [self.step_runner.logprobs_no_grad(model, chunk.to(self.device)) for chunk in self._chunks(batch)]
         if any(part is None for part in parts):
             return None
         return torch.cat([part.cpu() for part in parts])
@@ -360,9 +360,11 @@ class Trainer:
                 chunk = chunk.to(self.device, non_blocking=True)
                 ref_logprobs = None
                 if self.reference_model is not None:
-                    ref_logprobs = self.steps.logprobs_no_grad(self.reference_model, chunk)
-                new_logprobs.append(self.steps.forward_backward(self.model, chunk, ref_logprobs, step_loss, totals))
-        metrics = self.steps.step_metrics(totals)
+                    ref_logprobs = self.step_runner.logprobs_no_grad(self.reference_model, chunk)
+                new_logprobs.append(
+                    self.step_runner.forward_backward(self.model, chunk, ref_logprobs, step_loss, totals)
+                )
+        metrics = self.step_runner.step_metrics(totals)
         learning_rate = self.lr_scheduler.get_last_lr()[0]  # what this step applies
         with self.phases.record("optimizer_step"):
             grad_norm = self._optimizer_step()
