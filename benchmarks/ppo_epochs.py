@@ -38,10 +38,9 @@ def run_child(flags: list[str]) -> dict:
     """One training run in this process; prints a JSON summary line."""
     import logging
 
-    sys.path.insert(0, str(REPO))
+    from colossal_rl.command_line import build_parser, config_from_args
     from colossal_rl.launch import run_training
     from colossal_rl.metrics import read_metrics
-    from rl_example import build_parser, config_from_args
 
     logging.basicConfig(level=logging.WARNING)
     config = config_from_args(build_parser().parse_args(flags))

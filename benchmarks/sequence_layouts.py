@@ -40,14 +40,17 @@ SHAPES = {
 
 def rollout_batch(data_changes: dict, generation_changes: dict):
     from colossal_rl.config import RLConfig, replace
+    from colossal_rl.config_resolve import resolve
     from colossal_rl.reward import build_reward_scorer
     from colossal_rl.rollout.producer import Producer
 
     config = RLConfig()
-    config = replace(
-        config,
-        data=replace(config.data, **data_changes),
-        generation=replace(config.generation, **generation_changes),
+    config = resolve(
+        replace(
+            config,
+            data=replace(config.data, **data_changes),
+            generation=replace(config.generation, **generation_changes),
+        )
     ).validate()
     scorer = build_reward_scorer(reward_type=config.reward.reward_type, code_verifier_url=None, reward_fn=None)
     batch, _ = Producer(0, config, scorer).produce(round_index=0)

@@ -138,8 +138,7 @@ def model_path(name: str, cache_dir: Path) -> str:
 # ---------------------------------------------------------------------------------------------- evaluation
 def rl_config(model: str, settings: Settings, n_behind: int, save_dir: str, extra_flags: list[str]):
     """Our run config, built by the CLI so it is exactly what a user gets with these flags."""
-    sys.path.insert(0, str(REPO))
-    from rl_example import build_parser, config_from_args
+    from colossal_rl.command_line import build_parser, config_from_args
 
     flags = [
         *("-m", model, "-g", str(settings.num_generations), "-ibs", str(settings.prompts_per_step)),

@@ -367,7 +367,7 @@ class TrainerActor:
             )
         with self.trainer.phases.record("fetch"):
             steps = assemble_steps(assignment, self.config.train.batch_size, self.trainer.pad_token_id)
-        trained = self.trainer.train_round(steps, round_index)  # ppo_epochs passes: one entry per optimizer step
+        trained = self.trainer.train_epochs(steps, round_index)  # ppo_epochs passes: one entry per optimizer step
         step_metrics = [metrics | self._batch_metrics(batch) for metrics, batch in trained]
         samples = []
         if sample_step is not None and sample_step < len(steps):

@@ -2,7 +2,9 @@
 
 Every field is documented where it is declared. ``validate()`` checks the
 cross-field constraints and raises :class:`ConfigError` naming the offending
-field (``rl_example.py`` translates field names into its flag names).
+field (``rl_example.py`` translates field names into its flag names). Fields
+derived from others (unset: None) are filled in by ``config_resolve.resolve``,
+which every run goes through.
 This module must not import torch, ray or colossalai.
 """
 
@@ -39,6 +41,8 @@ WeightSyncBackend = Literal["torch", "ray_nccl"]
 WeightReceive = Literal["auto", "workers", "producer"]
 SequenceLayout = Literal["auto", "padded", "packed", "shared_prompt"]
 WeightSyncMode = Literal["broadcast", "shm", "checkpoint"]
+TRUNCATED_IS_CAP = 2.0
+"""Cap of the truncated importance weight used whenever producers may run behind the trainers."""
 OBJECTIVE_NAMES: tuple[str, ...] = ("policy_gradient", "dpo")
 """The names of ``training.objective.OBJECTIVES`` (kept here so the config imports no torch; a test checks)."""
 
@@ -78,8 +82,9 @@ class DataConfig:
     train_path: str = str(EMBEDDED_TRAIN_DATA)
     """Training prompts: jsonl, json, parquet, a saved datasets directory or a hub name (``name@split``);
     see ``colossal_rl/data_sources.py``."""
-    eval_paths: tuple[tuple[str, str], ...] = (("math", str(EMBEDDED_EVAL_DATA)),)
-    """(task name, source) pairs evaluated before training and every ``run.eval_interval`` steps."""
+    eval_paths: tuple[tuple[str, str], ...] | None = None
+    """(task name, source) pairs evaluated before training and every ``run.eval_interval`` steps. None
+    (resolved): the embedded eval set when training on the embedded training set, none otherwise."""
     system_prompt: str | None = None
     """System prompt prepended to every prompt; None uses the reward type's default."""
     max_prompt_tokens: int = 512
@@ -88,8 +93,8 @@ class DataConfig:
     """Column holding the prompt: a string (one user message), a message object or a list of them."""
     answer_key: str = "gt_answer"
     """Column holding the reference answer (e.g. ``solution`` in math datasets), read as ``gt_answer``."""
-    seed: int = 42
-    """Seed of the per-episode shuffle of the training prompts."""
+    seed: int | None = None
+    """Seed of the per-episode shuffle of the training prompts; None (resolved): ``run.seed`` + 42."""
     image_key: str = "images"
     """Column holding a row's images (vision-language models): file paths relative to the dataset file, or
     ``datasets`` Image values; the prompt marks their places with ``<image>`` (else they open the prompt)."""
@@ -165,8 +170,9 @@ class GenerationConfig:
     """Maximum response length in tokens."""
     microbatch_size: int = 16
     """Prompts generated together in one call of the backend (ColossalChat's -imbs)."""
-    stop_strings: tuple[str, ...] = ()
-    """Generation stops after any of these strings (kept in the response)."""
+    stop_strings: tuple[str, ...] | None = None
+    """Generation stops after any of these strings (kept in the response). None (resolved): ``</answer>``
+    for the ``think_answer_tags`` reward, none otherwise."""
     eval_temperature: float = 0.0
     """Sampling temperature for evaluation; 0 means greedy."""
     eval_samples: int = 1
@@ -233,10 +239,16 @@ class AlgorithmConfig:
     """Mask responses that hit max_new_tokens out of the loss."""
     soft_over_length_punishment: bool = False
     """DAPO's linear length penalty over the last ``cache_length`` tokens."""
-    cache_length: int = 0
-    """Length of DAPO's soft punishment window, in tokens."""
+    cache_length: int | None = None
+    """Length of DAPO's soft punishment window, in tokens. None (resolved): min(1024, max_new_tokens // 4) with
+    ``soft_over_length_punishment``, else 0."""
     truncated_is_cap: float | None = None
-    """Cap of the truncated importance weight between behaviour and old logprobs; None disables it."""
+    """Cap of the truncated importance weight between behaviour and old logprobs; None disables it (unless
+    ``truncated_is_when_behind`` has it set when resolved)."""
+    truncated_is_when_behind: bool = True
+    """Resolving sets an unset ``truncated_is_cap`` to ``TRUNCATED_IS_CAP`` when producers may run behind the
+    trainers (``schedule.n_behind > 0``): the behaviour policy then lags pi_old. With ``n_behind == 0`` it is
+    pi_old up to numerics, and no correction is made."""
     old_logprobs: OldLogprobs = "recompute"
     """What pi_old (the ratio's denominator) is. ``recompute``: the policy at the start of the round, the
     weights the round's first optimizer step starts from (one extra no-grad forward over the round's samples
@@ -261,7 +273,7 @@ class AlgorithmConfig:
         if self.filter_range is not None:
             low, high = self.filter_range
             _require(0 <= low <= high <= 1, "algorithm.filter_range", f"needs 0 <= low <= high <= 1, got {low}, {high}")
-        _require(self.cache_length >= 0, "algorithm.cache_length", "must be >= 0")
+        _require(self.cache_length is None or self.cache_length >= 0, "algorithm.cache_length", "must be >= 0")
         _require(
             self.truncated_is_cap is None or self.truncated_is_cap >= 1, "algorithm.truncated_is_cap", "must be >= 1"
         )

@@ -34,7 +34,8 @@ class ConfigFileError(ValueError):
 def config_to_dict(config: Any) -> dict[str, Any]:
     """Plain nested dicts (tuples as lists, ``eval_paths`` as a task -> source map) for YAML."""
     data = dataclasses.asdict(config)
-    data["data"]["eval_paths"] = dict(config.data.eval_paths)
+    eval_paths = config.data.eval_paths
+    data["data"]["eval_paths"] = None if eval_paths is None else dict(eval_paths)
     return _plain(data)
 
 
@@ -125,6 +126,8 @@ def _replace_path(node: Any, parts: list[str], value: Any, path: str, source: st
 def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
     """``value`` as the field's type: ints for floats, lists for tuples, the eval-paths map; else an error."""
     if path == "data.eval_paths":
+        if value is None:  # resolved from the training set (``config_resolve``)
+            return None
         if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             return tuple(value.items())
         raise _FieldError(path, "expected a map of task name to dataset source")

@@ -2,9 +2,10 @@
 
 Everything else about a flag is derived from the field in ``config.py``: the type (int, float, str; ``X | None``
 takes X), the default (``RLConfig()``'s value), the choices (the field's ``Literal``), the help (the field's
-docstring, unless the flag says it better). ``rl_example.py`` builds argparse from this table, maps parsed
+docstring, unless the flag says it better). ``command_line.py`` builds argparse from this table, maps parsed
 values back to fields (:func:`field_values`) and names the flag in errors (:func:`flag_for`). Flags that act
-outside the config (``--no-wandb``, ``--config``, ``--print-config``) are added by ``rl_example.py`` itself.
+outside the config (``--no-wandb``, ``--config``, ``--print-config``) are added by ``command_line.py`` itself.
+This module only maps flags to fields: presets and derived fields are ``presets.py``'s and ``config_resolve.py``'s.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ class Flag:
     """None: the field's Literal values (if any)."""
     type: Callable[[str], Any] | None = None
     """None: from the field's annotation."""
-    default_from_config: bool = True
-    """False: the flag defaults to None and ``rl_example.py`` derives the field (``-ed``)."""
 
     @property
     def destination(self) -> str:
@@ -67,7 +66,6 @@ FLAGS: tuple[Flag, ...] = (
         'JSON map {"task": "source"} (same kinds of source as -d); default: the embedded eval set with the '
         "embedded training set, none otherwise.",
         type=str,
-        default_from_config=False,
     ),
     Flag(("-s", "--system-prompt"), "data.system_prompt"),
     Flag(("-mpt", "--max-prompt-tokens"), "data.max_prompt_tokens"),
@@ -208,7 +206,7 @@ def add_flags(parser: argparse.ArgumentParser, docs: dict[str, str]) -> None:
             kwargs["type"] = value_type
             if flag.choices or choices:
                 kwargs["choices"] = list(flag.choices or choices)
-            kwargs["default"] = field_value(defaults, flag.field) if flag.default_from_config else None
+            kwargs["default"] = field_value(defaults, flag.field)
         parser.add_argument(*flag.names, **kwargs)
 
 
@@ -235,7 +233,7 @@ def flag_defaults(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         if flag is None:
             rest[field] = value
         elif flag.field == "data.eval_paths":  # -ed takes a JSON map
-            defaults[flag.destination] = json.dumps(value)
+            defaults[flag.destination] = None if value is None else json.dumps(value)
         else:
             defaults[flag.destination] = (not value) if flag.kind == "inverse_switch" else value
     return defaults, rest

@@ -500,7 +500,9 @@ def make_run_dir(config: RLConfig) -> Path:
 
 
 def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
-    """Train with ``config`` (validated here, with its inputs) and return what happened; Ray is started if needed."""
+    """Train with ``config`` (resolved and validated here, with its inputs) and return what happened; Ray is
+    started if needed."""
+    from colossal_rl.config_resolve import resolve
     from colossal_rl.input_checks import check_inputs
     from colossal_rl.producer_env import ensure_producer_env
 
@@ -508,7 +510,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     startup.add("python+flags", process_started_at(), time.time())
     started = time.perf_counter()
     with startup.record("inputs"):
-        config.validate()
+        config = resolve(config).validate()  # the derived fields: as the command line makes them
         rows_in_source = check_inputs(config).train_rows
         rounds = total_rounds(config, rows_in_source)  # an upper bound, checked before Ray starts
         resume_from, config = checkpoint_to_resume(config)  # --precision auto: the checkpoint's

@@ -50,9 +50,6 @@ class Objective:
     uses_old_logprobs: bool
     """It reads pi_old (a ratio): otherwise the trainer skips pi_old's extra forward."""
 
-    def __call__(self, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.loss(**kwargs)
-
 
 OBJECTIVES: Registry[Objective] = Registry("training objective")
 

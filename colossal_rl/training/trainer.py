@@ -1,10 +1,11 @@
 """A consumer rank: trains the policy under a ColossalAI Booster, one round of optimizer steps per call.
 
-Phase-sized methods: ``setup``, ``train_round`` (the round's optimizer steps, with pi_old), ``train_step``
+Phase-sized methods: ``setup``, ``train_epochs`` (the round's optimizer steps, with pi_old), ``train_step``
 (forward/backward over the step's samples, then one optimizer step), ``stage_state_dict`` (for the weight
 sync), ``full_state_dict`` (for the export). Plain class: no Ray here; the loss math lives in
-``colossal_rl/algorithms`` and is reached through ``training/objective.py``; one micro-batch's forward in the
-configured sequence layout (padded, packed, shared-prompt) is ``training/micro_batch_forward.py``'s.
+``colossal_rl/algorithms`` and is reached through ``training/objective.py`` by ``training/step_loss.py``; a
+chunk's forward/backward, plain or pipelined, is ``training/step_runners.py``'s, and one micro-batch's forward in
+the configured sequence layout (padded, packed, shared-prompt) ``training/micro_batch_forward.py``'s.
 
 Devices. A rank trains on one device, ``self.device`` (the accelerator's current device: a GPU, or the CPU
 here). Rollouts arrive on the host; each step moves its samples to the device ``train.minibatch_size``
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,12 +35,14 @@ from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.training.lr_schedule import ScheduleHorizon, make_lr_scheduler
 from colossal_rl.training.micro_batch_forward import MicroBatchForward
 from colossal_rl.training.objective import objective_for
-from colossal_rl.training.policy_forward import model_inputs
 from colossal_rl.training.round_plan import epoch_steps
+from colossal_rl.training.step_loss import StepCounts, StepLoss, StepTotals
+from colossal_rl.training.step_runners import PipelineSteps, PlainSteps, step_runner_for
 from colossal_rl.vision.models import is_vision_language_config
 from colossal_rl.vision.rope import RopeTokens
 
 if TYPE_CHECKING:
+    from colossalai.booster import Booster
     from colossalai.booster.plugin import Plugin
 
 logger = logging.getLogger(__name__)
@@ -63,33 +65,6 @@ def training_device() -> torch.device:
     from colossalai.accelerator import get_accelerator
 
     return torch.device(get_accelerator().get_current_device())
-
-
-@dataclass(frozen=True)
-class _StepContext:
-    """What every micro-batch of one optimizer step shares."""
-
-    counts: tuple[float, float]
-    """Global (trained token, loss sample) counts of the step over the data-parallel ranks."""
-    step_samples: int
-    """Samples of this rank's step (weights of the mean metrics)."""
-    totals: dict[str, float]
-    """The step's metrics, accumulated by every micro-batch."""
-
-
-def _add_metrics(totals: dict[str, float], metrics: dict[str, torch.Tensor], weight: float) -> None:
-    """Accumulate one micro-batch's metrics: names ending in ``_max`` by maximum, the rest weighted by ``weight``."""
-    for name, value in metrics.items():
-        if name.endswith("_max"):
-            totals[name] = max(totals.get(name, float("-inf")), float(value))
-        else:
-            totals[name] = totals.get(name, 0.0) + float(value) * weight
-
-
-def _count_tokens(totals: dict[str, float], real: int, computed: int) -> None:
-    """Add one training forward's tokens: real ones (each sample on its own) and the positions computed."""
-    totals["train/real_tokens"] = totals.get("train/real_tokens", 0.0) + real
-    totals["train/computed_tokens"] = totals.get("train/computed_tokens", 0.0) + computed
 
 
 class Trainer:
@@ -122,6 +97,28 @@ class Trainer:
         """With LoRA: the bytes the weight sync moves against the full model's (set at the first sync)."""
         self.objective = objective_for(self.config.algorithm)
         """The loss (``training/objective.py``) and what it needs: a reference model, pi_old, whole groups."""
+        self._rendezvous_store = None
+        """Rank 0's process-group store, opened early by :meth:`host_rendezvous` (None: opened at setup)."""
+        # Set by build(), over the started process group.
+        self.plugin: Plugin | None = None
+        self.booster: Booster | None = None
+        self.model = None
+        """The boosted policy."""
+        self.optimizer = None
+        self.lr_scheduler = None
+        self.reference_model: torch.nn.Module | None = None
+        """The frozen reference policy, when the KL term or the objective needs one."""
+        self.dp_group = None
+        self.dp_size = 1
+        self.dp_rank = 0
+        self.tp_group = None
+        """Set when the policy's logits come vocab-sharded over this group (tensor parallelism)."""
+        self.vocab_size = 0
+        self.pad_token_id = 0
+        self.micro_forward: MicroBatchForward | None = None
+        """The policy's micro-batch forward in the configured sequence layout (also used for the reference model)."""
+        self.step_runner: PlainSteps | PipelineSteps | None = None
+        """How a chunk runs: plainly or through the pipeline schedule (``training/step_runners.py``)."""
 
     # ------------------------------------------------------------------ setup
     def host_rendezvous(self) -> int:
@@ -149,7 +146,7 @@ class Trainer:
                 self.master_addr,
                 self.master_port,
                 on_cpu=self.on_cpu,
-                store=getattr(self, "_rendezvous_store", None),
+                store=self._rendezvous_store,
                 timeout_s=self.config.run.timeout_s,
             )
         self.build()
@@ -160,17 +157,24 @@ class Trainer:
         ``plugin``: instead of ``make_plugin``'s choice for ``config.parallel`` (tests train one layout
         under several plugins, in one process group).
         """
-        from colossalai.booster import Booster
-        from transformers import AutoTokenizer
-
-        from colossal_rl.training.booster_plugins import make_plugin, tensor_parallel_group
-        from colossal_rl.training.model_loading import load_policy
-
         if self.device is None:
             self.device = training_device()
         torch.manual_seed(self.config.run.seed)
-        parallel, train = self.config.parallel, self.config.train
-        dtype = _DTYPES[parallel.precision]
+        dtype = _DTYPES[self.config.parallel.precision]
+        model = self._load_policy(dtype)
+        model_config = model.config
+        self._boost(model, plugin, vision_language=is_vision_language_config(model_config))
+        if self.config.algorithm.kl_coeff > 0 or self.objective.needs_reference:
+            with self.startup.record("reference model"):
+                self.reference_model = self._build_reference_model(dtype)
+        self._join_parallel_groups()
+        self._build_forward(dtype, model_config)
+
+    def _load_policy(self, dtype: torch.dtype) -> torch.nn.Module:
+        """The policy on this rank's device, with LoRA adapters and a frozen vision tower if configured."""
+        from colossal_rl.training.model_loading import load_policy
+
+        train = self.config.train
         with self.startup.record("model"):
             model = load_policy(
                 self.config.model.path,
@@ -188,12 +192,22 @@ class Trainer:
             from colossal_rl.vision.models import freeze_vision_tower
 
             logger.info("froze the vision tower's %d parameter tensors", freeze_vision_tower(model))
+        return model
+
+    def _boost(self, model: torch.nn.Module, plugin: Plugin | None, *, vision_language: bool) -> None:
+        """The plugin (``plugin`` or ``make_plugin``'s), the optimizer over the trainable parameters, the
+        learning-rate schedule, and the boosted model."""
+        from colossalai.booster import Booster
+
+        from colossal_rl.training.booster_plugins import make_plugin
+
+        train = self.config.train
         self.plugin = plugin or make_plugin(
-            parallel,
+            self.config.parallel,
             microbatch_size=train.microbatch_size,
             max_norm=train.max_norm,
             on_cpu=self.on_cpu,
-            vision_language=is_vision_language_config(model.config),
+            vision_language=vision_language,
         )
         self.booster = Booster(plugin=self.plugin)
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
@@ -209,33 +223,6 @@ class Trainer:
             self.model, self.optimizer, _, _, self.lr_scheduler = self.booster.boost(
                 model, optimizer, lr_scheduler=lr_scheduler
             )
-        self.reference_model = None
-        if self.config.algorithm.kl_coeff > 0 or self.objective.needs_reference:
-            with self.startup.record("reference model"):
-                self.reference_model = self._build_reference_model(dtype)
-        self.dp_group = self._data_parallel_group()
-        self.tp_group = tensor_parallel_group(self.plugin)
-        """Set when the policy's logits come vocab-sharded over this group (tensor parallelism)."""
-        self.vocab_size = model.config.vocab_size
-        self.pp_group = self.plugin.pp_group if parallel.pp_size > 1 else None
-        """Set under pipeline parallelism: train steps go through ``booster.execute_pipeline``."""
-        self.dp_size = dist.get_world_size(self.dp_group)
-        self.dp_rank = dist.get_rank(self.dp_group)
-        with self.startup.record("tokenizer"):
-            tokenizer = AutoTokenizer.from_pretrained(
-                self.config.model.path, trust_remote_code=self.config.model.trust_remote_code
-            )
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.micro_forward = MicroBatchForward(
-            self.config,
-            dtype=dtype,
-            pad_token_id=self.pad_token_id,
-            tp_group=self.tp_group,
-            vocab_size=self.vocab_size,
-            max_over_ranks=self._global_max if self.dp_size > 1 else None,
-            rope_tokens=rope_tokens_of(model.config),
-        )
-        """The policy's micro-batch forward in the configured sequence layout (also used for the reference model)."""
 
     def _build_reference_model(self, dtype: torch.dtype) -> torch.nn.Module:
         """The frozen reference policy on this rank's device in the training precision; sharded like the
@@ -255,14 +242,44 @@ class Trainer:
             reference, *_ = self.booster.boost(reference)
         return reference.requires_grad_(False)
 
-    def _data_parallel_group(self):
-        pg_mesh = getattr(self.plugin, "dp_group", None)
-        return pg_mesh if pg_mesh is not None else dist.group.WORLD
+    def _join_parallel_groups(self) -> None:
+        """This rank's data-parallel group (the plugin's, else the whole world) and tensor-parallel group."""
+        from colossal_rl.training.booster_plugins import tensor_parallel_group
+
+        plugin_group = getattr(self.plugin, "dp_group", None)
+        self.dp_group = plugin_group if plugin_group is not None else dist.group.WORLD
+        self.dp_size = dist.get_world_size(self.dp_group)
+        self.dp_rank = dist.get_rank(self.dp_group)
+        self.tp_group = tensor_parallel_group(self.plugin)
+
+    def _build_forward(self, dtype: torch.dtype, model_config) -> None:
+        """The tokenizer's padding id, the micro-batch forward and the step runner (plain or pipelined)."""
+        from transformers import AutoTokenizer
+
+        with self.startup.record("tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(
+                self.config.model.path, trust_remote_code=self.config.model.trust_remote_code
+            )
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.vocab_size = model_config.vocab_size
+        self.micro_forward = MicroBatchForward(
+            self.config,
+            dtype=dtype,
+            pad_token_id=self.pad_token_id,
+            tp_group=self.tp_group,
+            vocab_size=self.vocab_size,
+            max_over_ranks=self._global_max if self.dp_size > 1 else None,
+            rope_tokens=rope_tokens_of(model_config),
+        )
+        self.step_runner = step_runner_for(
+            self.plugin, self.config.parallel.pp_size, self.micro_forward, self.booster, self.optimizer, self.dp_size
+        )
 
     # ------------------------------------------------------------------ rounds
-    def train_round(self, steps: list[RolloutBatch], round_index: int) -> list[tuple[dict[str, float], RolloutBatch]]:
-        """Every optimizer step of one round, ``train.ppo_epochs`` passes over ``steps``: (metrics, the samples
-        trained) per optimizer step, in order.
+    def train_epochs(self, steps: list[RolloutBatch], round_index: int) -> list[tuple[dict[str, float], RolloutBatch]]:
+        """Every optimizer step of one round, ``train.ppo_epochs`` passes over the round's ``steps``: (metrics,
+        the samples trained) per optimizer step, in order. (``TrainerActor.train_round`` takes the round's
+        samples from the buffer and calls this.)
 
         Collective: every rank of the consumers calls it with its own share of the round.
         """
@@ -300,7 +317,7 @@ class Trainer:
 
         None on pipeline stages other than the last (only the last stage sees the outputs).
         """
-        parts = [self._chunk_logprobs_no_grad(model, chunk.to(self.device)) for chunk in self._chunks(batch)]
+        parts = [self.step_runner.logprobs_no_grad(model, chunk.to(self.device)) for chunk in self._chunks(batch)]
         if any(part is None for part in parts):
             return None
         return torch.cat([part.cpu() for part in parts])
@@ -308,39 +325,6 @@ class Trainer:
     def _chunks(self, batch: RolloutBatch) -> list[RolloutBatch]:
         """The step's samples in pieces of ``train.minibatch_size`` prompts: the unit moved to the device."""
         return batch.group_chunks(self.config.train.minibatch_size)
-
-    def _chunk_logprobs_no_grad(self, model: torch.nn.Module, chunk: RolloutBatch) -> torch.Tensor | None:
-        """Log-probs [n, R] on the device of one chunk already on the device (None off the last pipeline stage)."""
-        with torch.no_grad(), self.micro_forward.output_head(model) as head_weight:
-            if self.pp_group is not None:
-                return self._pipeline_logprobs_no_grad(model, chunk, head_weight)
-            parts = []
-            for start, stop in self.micro_forward.micro_ranges(chunk, same_count_on_every_rank=False):
-                part = chunk.sample_range(start, stop)
-                parts.append(
-                    self.micro_forward.terms(model, part, chunk.group_size, head_weight, with_entropy=False)[0]
-                )
-            return torch.cat(parts)
-
-    def _pipeline_logprobs_no_grad(
-        self, model: torch.nn.Module, chunk: RolloutBatch, head_weight: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        micro = self._pipeline_microbatch(chunk)
-        starts = iter(range(0, chunk.num_samples, micro))
-        parts: list[torch.Tensor] = []
-
-        def criterion(outputs, inputs) -> torch.Tensor:
-            start = next(starts)
-            part = chunk.sample_range(start, start + micro)
-            parts.append(self.micro_forward.padded_terms(outputs.logits, head_weight, part, with_entropy=False)[0])
-            return parts[-1].new_zeros(())
-
-        inputs = model_inputs(*chunk.sequences())
-        # no_sync: after a pass ColossalAI all-reduces tied weights' gradients unless syncing is off; a
-        # forward-only pass has no gradients to reduce.
-        with model.no_sync():
-            self.booster.execute_pipeline(iter([inputs]), model, criterion, optimizer=None, return_loss=False)
-        return torch.cat(parts) if parts else None
 
     # ------------------------------------------------------------------ steps
     def _global_sums(self, values: list[float]) -> list[float]:
@@ -369,40 +353,30 @@ class Trainer:
         (None off the last pipeline stage)."""
         started = time.perf_counter()
         self.model.train()
-        rank_tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())
-        *counts, all_tokens = self._global_sums(
-            [float(batch.trained_token_mask().sum()), float(batch.loss_mask.sum()), float(rank_tokens)]
-        )
-        counts = tuple(max(count, 1.0) for count in counts)
-        totals: dict[str, float] = {}
-        if self.dp_size > 1:  # the slowest rank sets the step's pace: max / mean of the ranks' real tokens
-            totals["train/dp_token_imbalance"] = self._global_max(rank_tokens) * self.dp_size / max(all_tokens, 1.0)
-        context = _StepContext(counts=counts, step_samples=batch.num_samples, totals=totals)
+        step_loss, totals = self._step_loss(batch)
         new_logprobs: list[torch.Tensor | None] = []
         with self.phases.record("forward_backward"):
             for chunk in self._chunks(batch):
                 chunk = chunk.to(self.device, non_blocking=True)
                 ref_logprobs = None
                 if self.reference_model is not None:
-                    ref_logprobs = self._chunk_logprobs_no_grad(self.reference_model, chunk)
-                if self.pp_group is not None:
-                    new_logprobs.append(self._pipeline_forward_backward(chunk, ref_logprobs, context))
-                else:
-                    new_logprobs.append(self._forward_backward(chunk, ref_logprobs, context))
-        if self.pp_group is not None:
-            totals = self._from_last_stage(totals)
+                    ref_logprobs = self.step_runner.logprobs_no_grad(self.reference_model, chunk)
+                new_logprobs.append(
+                    self.step_runner.forward_backward(self.model, chunk, ref_logprobs, step_loss, totals)
+                )
+        metrics = self.step_runner.step_metrics(totals)
         learning_rate = self.lr_scheduler.get_last_lr()[0]  # what this step applies
         with self.phases.record("optimizer_step"):
             grad_norm = self._optimizer_step()
         self.step += 1
         # Each rank holds its tokens' share of the step's total loss and entropy.
-        totals["train/loss"], totals["train/entropy"] = self._global_sums(
-            [totals["train/loss"], totals["train/entropy"]]
+        metrics["train/loss"], metrics["train/entropy"] = self._global_sums(
+            [metrics["train/loss"], metrics["train/entropy"]]
         )
-        totals["train/computed_per_real_token"] = totals["train/computed_tokens"] / max(
-            totals["train/real_tokens"], 1.0
+        metrics["train/computed_per_real_token"] = metrics["train/computed_tokens"] / max(
+            metrics["train/real_tokens"], 1.0
         )
-        totals.update(
+        metrics.update(
             {
                 "train/grad_norm": grad_norm,
                 "train/lr": learning_rate,
@@ -410,159 +384,26 @@ class Trainer:
             }
         )
         captured = None if any(part is None for part in new_logprobs) else torch.cat([p.cpu() for p in new_logprobs])
-        return totals, captured
+        return metrics, captured
 
-    def _forward_backward(
-        self, chunk: RolloutBatch, ref_logprobs: torch.Tensor | None, context: _StepContext
-    ) -> torch.Tensor:
-        """Gradients of one chunk's share of the step loss, ``train.microbatch_size`` samples at a time.
-
-        Returns the chunk's log-probs before the update [n, R] (detached)."""
-        captured = []
-        for start, stop in self.micro_forward.micro_ranges(chunk, same_count_on_every_rank=True):
-            part = chunk.sample_range(start, stop)
-            with self.micro_forward.output_head(self.model) as head_weight:
-                new_logprobs, entropy, forward = self.micro_forward.terms(
-                    self.model, part, chunk.group_size, head_weight, with_entropy=True
-                )
-                loss = self._step_loss(new_logprobs, entropy, chunk, start, stop, ref_logprobs, context)
-                # Data-parallel gradients are averaged over ranks; the loss already divides by global counts.
-                self.booster.backward(loss * self.dp_size, self.optimizer)
-            _count_tokens(context.totals, forward.real_tokens, forward.computed_tokens)
-            captured.append(new_logprobs.detach())
-        return torch.cat(captured)
-
-    def _part_loss(
-        self,
-        outputs: torch.Tensor,
-        head_weight: torch.Tensor | None,
-        chunk: RolloutBatch,
-        start: int,
-        size: int,
-        ref_logprobs: torch.Tensor | None,
-        context: _StepContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, log-probs) of samples [start, start + size) of ``chunk`` from their padded forward's ``outputs``."""
-        part = chunk.sample_range(start, start + size)
-        new_logprobs, entropy = self.micro_forward.padded_terms(outputs, head_weight, part, with_entropy=True)
-        loss = self._step_loss(new_logprobs, entropy, chunk, start, start + size, ref_logprobs, context)
-        return loss, new_logprobs
-
-    def _step_loss(
-        self,
-        new_logprobs: torch.Tensor,
-        entropy: torch.Tensor,
-        chunk: RolloutBatch,
-        start: int,
-        stop: int,
-        ref_logprobs: torch.Tensor | None,
-        context: _StepContext,
-    ) -> torch.Tensor:
-        """:meth:`micro_batch_loss` of samples [start, stop) of ``chunk`` within the step ``context``."""
-        return self.micro_batch_loss(
-            new_logprobs,
-            entropy,
-            chunk.sample_range(start, stop),
-            None if ref_logprobs is None else ref_logprobs[start:stop],
-            context.counts,
-            context.step_samples,
-            context.totals,
-            group_size=chunk.group_size,
+    def _step_loss(self, batch: RolloutBatch) -> tuple[StepLoss, StepTotals]:
+        """The step's loss over its global (trained token, loss sample) counts, and its metrics so far.
+        Collective over the data-parallel ranks."""
+        rank_tokens = int(batch.prompt_mask.sum() + batch.response_mask.sum())
+        trained_tokens, loss_samples, all_tokens = self._global_sums(
+            [float(batch.trained_token_mask().sum()), float(batch.loss_mask.sum()), float(rank_tokens)]
         )
-
-    def _pipeline_microbatch(self, chunk: RolloutBatch) -> int:
-        micro = self.plugin.scheduler.microbatch_size  # the plugin keeps it only on its pipeline schedule
-        num_micro = chunk.num_samples // micro
-        if num_micro * micro != chunk.num_samples or num_micro < self.plugin.pp_size:
-            raise ValueError(
-                f"a chunk's {chunk.num_samples} samples must split into at least pp_size = {self.plugin.pp_size} "
-                f"pipeline micro-batches of {micro} (train.microbatch_size // pp_size)"
-            )
-        return micro
-
-    def _pipeline_forward_backward(
-        self, chunk: RolloutBatch, ref_logprobs: torch.Tensor | None, context: _StepContext
-    ) -> torch.Tensor | None:
-        """The same gradients through ColossalAI's 1F1B pipeline schedule (pipeline micro-batches).
-
-        The schedule slices the inputs into micro-batches of the schedule's ``microbatch_size`` and calls the
-        criterion on the last stage once per micro-batch, in order; the criterion picks that
-        micro-batch's samples from ``chunk``. Returns the chunk's log-probs (last stage; None elsewhere).
-        """
-        micro = self._pipeline_microbatch(chunk)
-        num_micro = chunk.num_samples // micro
-        starts = iter(range(0, chunk.num_samples, micro))
-        captured: list[torch.Tensor] = []
-
-        with self.micro_forward.output_head(self.model) as head_weight:
-
-            def criterion(outputs, inputs) -> torch.Tensor:
-                loss, new_logprobs = self._part_loss(
-                    outputs.logits, head_weight, chunk, next(starts), micro, ref_logprobs, context
-                )
-                captured.append(new_logprobs.detach())
-                return loss * self.dp_size * num_micro  # the schedule divides by the number of micro-batches
-
-            input_ids, attention_mask = chunk.sequences()
-            self.booster.execute_pipeline(
-                iter([model_inputs(input_ids, attention_mask)]),
-                self.model,
-                criterion,
-                self.optimizer,
-                return_loss=False,
-            )
-        _count_tokens(context.totals, int(attention_mask.sum()), attention_mask.numel())
-        return torch.cat(captured) if captured else None
-
-    def _from_last_stage(self, totals: dict[str, float]) -> dict[str, float]:
-        """The last pipeline stage's metrics on every stage (they are computed only there)."""
-        last_stage = dist.get_process_group_ranks(self.pp_group)[-1]
-        message = [totals if dist.get_rank() == last_stage else None]
-        dist.broadcast_object_list(message, src=last_stage, group=self.pp_group)
-        return message[0]
-
-    def micro_batch_loss(
-        self,
-        new_logprobs: torch.Tensor,
-        entropy: torch.Tensor,
-        micro: RolloutBatch,
-        ref_logprobs: torch.Tensor | None,
-        counts: tuple[float, float],
-        step_samples: int,
-        totals: dict[str, float],
-        *,
-        group_size: int,
-    ) -> torch.Tensor:
-        """The objective of the samples ``micro`` with the step's global (token, sample) ``counts``; adds metrics.
-
-        ``group_size``: samples per prompt group of the chunk ``micro`` was cut from (``micro`` itself, a sample
-        range, says 1); an objective comparing a group's samples gets whole groups (``micro_ranges``).
-
-        pi_old is ``micro.old_logprobs`` when set, else ``new_logprobs`` detached (the step's own forward,
-        before its update). ``train/entropy`` is summed over the micro-batch's loss tokens and divided by
-        the step's global token count, so after the sum over data-parallel ranks it is the mean entropy per
-        trained token. ``step_samples``: samples of this rank's step (weights of the mean metrics).
-        """
-        old_logprobs = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
-        loss, metrics = self.objective(
-            new_logprobs=new_logprobs,
-            old_logprobs=old_logprobs,
-            behaviour_logprobs=micro.behaviour_logprobs,
-            ref_logprobs=ref_logprobs,
-            advantages=micro.advantages,
-            response_mask=micro.response_mask,
-            loss_mask=micro.loss_mask,
-            algo=self.config.algorithm,
-            global_token_count=counts[0],
-            global_sample_count=counts[1],
+        totals = StepTotals()
+        if self.dp_size > 1:  # the slowest rank sets the step's pace: max / mean of the ranks' real tokens
+            totals.add("train/dp_token_imbalance", self._global_max(rank_tokens) * self.dp_size / max(all_tokens, 1.0))
+        step_loss = StepLoss(
+            objective=self.objective,
+            algorithm=self.config.algorithm,
             max_response_length=self.config.generation.max_new_tokens,
-            group_size=group_size,
+            counts=StepCounts(trained_tokens=max(trained_tokens, 1.0), loss_samples=max(loss_samples, 1.0)),
+            step_samples=batch.num_samples,
         )
-        totals["train/loss"] = totals.get("train/loss", 0.0) + float(loss.detach())
-        trained_tokens = micro.trained_token_mask()
-        totals["train/entropy"] = totals.get("train/entropy", 0.0) + float((entropy * trained_tokens).sum()) / counts[0]
-        _add_metrics(totals, metrics, weight=micro.num_samples / step_samples)
-        return loss
+        return step_loss, totals
 
     def set_total_steps(self, total_steps: int) -> None:
         """The run's optimizer steps in all (the driver's count): where a decaying learning rate ends."""

@@ -26,6 +26,7 @@ from colossal_rl.config import (
     TrainConfig,
 )
 from colossal_rl.config_files import load_config_file
+from colossal_rl.config_resolve import resolve
 from colossal_rl.metrics import MetricsLogger, read_metrics
 from colossal_rl.startup import phase_seconds_from_json, read_startup
 
@@ -65,7 +66,7 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     init_ray(config)
     run_dir = make_run_dir(config)
     metrics = MetricsLogger(run_dir, "test", {}, use_wandb=False)
-    driver = Driver(config, run_dir, metrics)
+    driver = Driver(resolve(config), run_dir, metrics)  # as run_training gives it
     try:
         driver.start()
         initial = ray.get(driver.producers[0].named_weights.remote())

@@ -16,6 +16,7 @@ import math
 import pytest
 
 from colossal_rl.config import GenerationConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
+from colossal_rl.config_resolve import resolve
 from colossal_rl.metrics import MetricsLogger, read_metrics
 from colossal_rl.presets import PRESETS, algorithm_preset
 
@@ -48,7 +49,7 @@ def train_preset(config: RLConfig) -> list[dict]:
     init_ray(config)
     run_dir = make_run_dir(config)
     metrics = MetricsLogger(run_dir, config.run.project, {}, use_wandb=False)
-    driver = Driver(config, run_dir, metrics)
+    driver = Driver(resolve(config), run_dir, metrics)  # as run_training gives it
     try:
         driver.start()
         rounds = ROUNDS

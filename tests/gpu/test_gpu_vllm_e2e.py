@@ -26,6 +26,7 @@ from colossal_rl.config import (
     TrainConfig,
     VllmEngineConfig,
 )
+from colossal_rl.config_resolve import resolve
 from colossal_rl.metrics import MetricsLogger
 
 pytestmark = [pytest.mark.gpu, pytest.mark.dist, pytest.mark.slow]
@@ -61,7 +62,7 @@ def test_vllm_producer_holds_the_trainer_weights_after_an_nccl_sync(tmp_path):
     driver = None
     try:
         run_dir = make_run_dir(config)
-        driver = Driver(config, run_dir, MetricsLogger(run_dir, "gpu-test", {}, use_wandb=False))
+        driver = Driver(resolve(config), run_dir, MetricsLogger(run_dir, "gpu-test", {}, use_wandb=False))
         driver.start()
         producer = driver.producers[0]
         initial = ray.get(producer.named_weights.remote())

@@ -1,6 +1,5 @@
 """rl_example.py: flags -> validated config, errors that name the flag, and input checks that fail before Ray."""
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from colossal_rl.config import EMBEDDED_EVAL_DATA, EMBEDDED_TRAIN_DATA, RLConfig
+from colossal_rl.config_resolve import resolve
 from colossal_rl.presets import algorithm_preset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +39,8 @@ def usage_error(*argv: str) -> str:
 def test_defaults_build_the_default_config():
     config = config_for()
     defaults = RLConfig()
-    for field in dataclasses.fields(RLConfig):
-        if field.name != "algorithm":
-            assert getattr(config, field.name) == getattr(defaults, field.name), field.name
-    # The algorithm comes from the GRPO preset, parametrised by the run's own defaults.
+    assert config == resolve(defaults)
+    # The algorithm is the GRPO preset, resolved with the run's own defaults.
     assert config.algorithm == algorithm_preset(
         "GRPO",
         kl_coeff=defaults.algorithm.kl_coeff,

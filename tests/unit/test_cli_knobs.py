@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+import colossal_rl.command_line as command_line
 import colossal_rl.rollout.backend as backend_module
 from colossal_rl.placement import ANY_FREE_PORT, CLUSTER_MASTER_PORT, trainer_master_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
 
-import rl_example  # noqa: E402
 from rl_example import FLAG_FIELDS, NOT_CONFIG_FLAGS, UsageError, build_parser, config_from_args  # noqa: E402
 
 # flag destination -> (arguments setting a non-default value, the config field it must change)
@@ -152,7 +152,7 @@ def test_every_settable_field_has_exactly_one_flag_or_is_a_config_file_field_and
 def test_flag_changes_the_field_it_names(dest, monkeypatch):
     # -b vllm and --weight-sync-backend ray_nccl are also checked against the installed packages (their own tests)
     monkeypatch.setattr(backend_module, "vllm_installed", lambda: True)
-    monkeypatch.setattr(rl_example, "_check_weight_sync_backend", lambda args: None)
+    monkeypatch.setattr(command_line, "_check_weight_sync_backend", lambda args: None)
     argv, path = FLAG_PROBES[dest]
     assert field(config_for(*argv), path) != field(config_for(), path)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from colossal_rl.actors import rollout_samples
 from colossal_rl.config import RLConfig, ScheduleConfig
+from colossal_rl.config_resolve import resolve
 from colossal_rl.reward import build_reward_scorer
 from colossal_rl.rollout.producer import Producer
 
@@ -38,7 +39,7 @@ sys.exit(1 if heavy else 0)
 
 
 def test_the_driver_path_and_what_producers_send_it_need_no_torch():
-    config = RLConfig(schedule=ScheduleConfig(inference_batch_size=2))
+    config = resolve(RLConfig(schedule=ScheduleConfig(inference_batch_size=2)))  # as run_training gives it
     scorer = build_reward_scorer(reward_type=config.reward.reward_type)
     try:
         producer = Producer(0, config, scorer)

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from colossal_rl.config import EMBEDDED_SHAPES_EVAL_DATA, EMBEDDED_SHAPES_TRAIN_DATA, EMBEDDED_VLM_DIR, RLConfig
+from colossal_rl.config_resolve import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import build_tiny_vlm  # noqa: E402
@@ -81,7 +82,7 @@ def test_greedy_counts_depend_on_the_picture_and_are_often_one_off():
         ),
         generation=replace(config.generation, max_new_tokens=12),
     ).validate()
-    producer = Producer(0, config, build_reward_scorer("boxed", timeout_s=5.0, num_workers=1))
+    producer = Producer(0, resolve(config), build_reward_scorer("boxed", timeout_s=5.0, num_workers=1))
     (result,) = producer.evaluate(num_producers=1)
     assert result.num_prompts == 200
     truths = [int(record["gt_answer"]) for record in result.records]

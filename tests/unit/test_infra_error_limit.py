@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from colossal_rl.config import RewardConfig, RLConfig
+from colossal_rl.config_resolve import resolve
 from colossal_rl.reward.records import OK, RewardRecord, infra_error
 from colossal_rl.rollout.producer import InfraErrorRateExceeded, Producer
 
@@ -26,7 +27,7 @@ class _Scorer:
 
 @pytest.fixture(scope="module")
 def producer() -> Producer:
-    return Producer(0, RLConfig(), reward_scorer=None)
+    return Producer(0, resolve(RLConfig()), reward_scorer=None)
 
 
 @pytest.mark.parametrize(("limit", "stops"), [(0.25, True), (0.5, False)])

@@ -16,6 +16,7 @@ import torch
 from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import ConfigError, RLConfig, resolve_precision, with_device_precision
+from colossal_rl.config_resolve import resolve
 from colossal_rl.placement import PlacementError, resolve_precision_for_cluster
 from rl_example import UsageError, build_parser, config_from_args
 
@@ -84,7 +85,7 @@ def test_a_producer_given_auto_holds_its_device_precision(monkeypatch, cuda, dty
     monkeypatch.setattr(producer_module, "create_backend", fake_create_backend)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     with pytest.raises(Created) as created:
-        producer_module.Producer(0, RLConfig(), reward_scorer=None)
+        producer_module.Producer(0, resolve(RLConfig()), reward_scorer=None)
     assert created.value.args[0]["weights_dtype"] == dtype
 
 

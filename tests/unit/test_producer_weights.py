@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from colossal_rl.config import RLConfig
+from colossal_rl.config_resolve import resolve
 from colossal_rl.rollout.producer import Producer
 
 
 @pytest.fixture(scope="module")
 def producer() -> Producer:
-    return Producer(0, RLConfig(), reward_scorer=None)
+    return Producer(0, resolve(RLConfig()), reward_scorer=None)
 
 
 def scaled(weights: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:

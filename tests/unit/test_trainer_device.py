@@ -75,13 +75,13 @@ LAYOUTS = {
 def test_round_on_a_second_device_equals_the_host_run(request, layout):
     """Every layout's index tensors and masks are built on the samples' device (a GPU fails otherwise)."""
     config = _round_config(**LAYOUTS[layout])
-    host = make_trainer(config, device="cpu").train_round(_steps(), round_index=0)
+    host = make_trainer(config, device="cpu").train_epochs(_steps(), round_index=0)
     request.getfixturevalue("accelerator_is_the_fake_device")
     trainer = make_trainer(config)
     assert trainer.device == FAKE_DEVICE
     assert all(isinstance(p, OnAccelerator) for p in trainer.model.parameters())
     assert all(isinstance(p, OnAccelerator) for p in trainer.reference_model.parameters())
-    on_device = trainer.train_round(_steps(), round_index=0)
+    on_device = trainer.train_epochs(_steps(), round_index=0)
 
     assert len(on_device) == len(host) == 3
     for (device_metrics, _), (host_metrics, _) in zip(on_device, host, strict=True):
@@ -97,4 +97,4 @@ def test_the_device_test_sees_a_reference_model_left_on_the_host(accelerator_is_
     trainer = make_trainer(_round_config())
     trainer.reference_model.to("cpu")
     with pytest.raises(DeviceMixError):
-        trainer.train_round(_steps()[:1], round_index=0)
+        trainer.train_epochs(_steps()[:1], round_index=0)

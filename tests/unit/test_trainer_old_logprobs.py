@@ -1,6 +1,6 @@
 """pi_old in the trainer: the trust region acts.
 
-Hand-computed cases go through ``Trainer.micro_batch_loss`` — the call the training step makes — with a
+Hand-computed cases go through ``StepLoss`` — the call the training step makes per micro-batch — with a
 batch whose ``old_logprobs`` differ from the new ones; each would fail if pi_old were the new log-probs
 detached (ratio 1: nothing clips). The round-level tests run a real trainer (world size 1, gloo).
 """
@@ -16,13 +16,9 @@ from trainer_harness import make_batch, make_config, make_trainer
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import AlgorithmConfig, replace
 from colossal_rl.presets import algorithm_preset
+from colossal_rl.training.objective import objective_for
 from colossal_rl.training.round_plan import epoch_permutation, epoch_steps
-from colossal_rl.training.trainer import Trainer
-
-
-def _trainer(algorithm: AlgorithmConfig) -> Trainer:
-    """A trainer that is never built: ``micro_batch_loss`` needs only the config."""
-    return Trainer(0, 1, make_config(algorithm=algorithm), "127.0.0.1", 0)
+from colossal_rl.training.step_loss import StepCounts, StepLoss, StepTotals
 
 
 def _micro(new: torch.Tensor, old: torch.Tensor, advantages: list[float]) -> RolloutBatch:
@@ -49,19 +45,17 @@ def _loss_and_grad(algorithm: AlgorithmConfig, new_values, old_values, advantage
     old = torch.tensor(old_values, dtype=torch.float64).log()
     micro = _micro(new.detach(), old, advantages)
     tokens = float(micro.response_mask.sum())
-    totals: dict[str, float] = {}
-    loss = _trainer(algorithm).micro_batch_loss(
-        new,
-        torch.zeros_like(new),
-        micro,
-        None,
-        (tokens, float(micro.num_samples)),
-        micro.num_samples,
-        totals,
-        group_size=micro.group_size,
+    totals = StepTotals()
+    step_loss = StepLoss(
+        objective=objective_for(algorithm),
+        algorithm=algorithm,
+        max_response_length=make_config().generation.max_new_tokens,
+        counts=StepCounts(trained_tokens=tokens, loss_samples=float(micro.num_samples)),
+        step_samples=micro.num_samples,
     )
+    loss = step_loss(new, torch.zeros_like(new), micro, 0, micro.num_samples, None, totals)
     loss.backward()
-    return float(loss), new.grad, totals
+    return float(loss), new.grad, totals.values
 
 
 GRPO = algorithm_preset("GRPO", kl_coeff=0.0, max_new_tokens=8, n_behind=0)
@@ -124,7 +118,7 @@ def _ratio_and_clip(metrics: list[tuple[dict, RolloutBatch]]) -> list[tuple[floa
 
 def test_later_steps_of_a_round_see_the_round_start_policy():
     trainer = make_trainer(make_config(train={"learning_rate": 1e-2}))
-    metrics = trainer.train_round([make_batch(seed=s) for s in range(4)], round_index=0)
+    metrics = trainer.train_epochs([make_batch(seed=s) for s in range(4)], round_index=0)
     ratios = _ratio_and_clip(metrics)
     assert ratios[0] == (1.0, 0.0)  # pi_old is this step's own forward: exactly 1
     for ratio, clip_fraction in ratios[1:]:
@@ -136,7 +130,7 @@ def test_later_steps_of_a_round_see_the_round_start_policy():
 def test_behaviour_old_logprobs_move_the_first_ratio():
     algorithm = replace(AlgorithmConfig(), old_logprobs="behaviour")
     trainer = make_trainer(make_config(algorithm=algorithm, train={"learning_rate": 1e-2}))
-    (first, _), *_ = trainer.train_round([make_batch(seed=0)], round_index=0)
+    (first, _), *_ = trainer.train_epochs([make_batch(seed=0)], round_index=0)
     # make_batch's behaviour log-probs are -(2..3): not the policy's, so the first ratio is already off 1.
     assert first["train/ratio_mean"] != pytest.approx(1.0, abs=1e-2)
 
@@ -144,7 +138,7 @@ def test_behaviour_old_logprobs_move_the_first_ratio():
 def test_ppo_epochs_pass_twice_with_the_round_start_as_pi_old():
     trainer = make_trainer(make_config(train={"learning_rate": 1e-2, "ppo_epochs": 2}))
     steps = [make_batch(seed=s) for s in range(2)]
-    metrics = trainer.train_round(steps, round_index=3)
+    metrics = trainer.train_epochs(steps, round_index=3)
     assert [m["train/epoch"] for m, _ in metrics] == [0.0, 0.0, 1.0, 1.0]
     assert metrics[0][0]["train/ratio_mean"] == 1.0
     for m, _ in metrics[1:]:
@@ -165,7 +159,7 @@ def test_every_ppo_epoch_uses_the_round_start_policy_as_pi_old():
     for a later pass also gives ratios != 1)."""
     trainer = make_trainer(make_config(train={"learning_rate": 1e-2, "ppo_epochs": 2}))
     steps = [make_batch(seed=s) for s in range(2)]
-    trainer.model.train()  # as train_round takes pi_old
+    trainer.model.train()  # as train_epochs takes pi_old
     round_start = {}
     for batch in steps:
         logprobs = trainer.logprobs_no_grad(trainer.model, batch)
@@ -179,7 +173,7 @@ def test_every_ppo_epoch_uses_the_round_start_policy_as_pi_old():
         return objective.loss(**inputs)
 
     trainer.objective = dataclasses.replace(objective, loss=recording)
-    metrics = trainer.train_round(steps, round_index=3)
+    metrics = trainer.train_epochs(steps, round_index=3)
 
     assert [m["train/epoch"] for m, _ in metrics] == [0.0, 0.0, 1.0, 1.0]
     checked = {}

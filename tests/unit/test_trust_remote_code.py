@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from colossal_rl.config import EMBEDDED_MODEL_DIR, ModelConfig, RLConfig
+from colossal_rl.config_resolve import resolve
 from colossal_rl.rollout.producer import Producer
 from colossal_rl.training.trainer_state import export_hf
 
@@ -52,10 +53,10 @@ def remote_code_model(tmp_path):
 
 
 def test_producer_loads_a_remote_code_model_only_when_trusted(remote_code_model):
-    refused = RLConfig(model=ModelConfig(path=remote_code_model))
+    refused = resolve(RLConfig(model=ModelConfig(path=remote_code_model)))
     with pytest.raises(ValueError, match="trust_remote_code"):
         Producer(0, refused, reward_scorer=None)
-    trusted = RLConfig(model=ModelConfig(path=remote_code_model, trust_remote_code=True))
+    trusted = resolve(RLConfig(model=ModelConfig(path=remote_code_model, trust_remote_code=True)))
     producer = Producer(0, trusted, reward_scorer=None)
     assert type(producer.backend.model).__name__ == "RemoteQwen2ForCausalLM"
 

@@ -14,6 +14,7 @@ from vision_fixtures import build_random_vlm, write_image_rows
 
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import replace
+from colossal_rl.config_resolve import resolve
 from colossal_rl.data import DataError, ImagePrompting, load_prompt_dataset
 from colossal_rl.rollout.backend import SamplingSettings
 from colossal_rl.rollout.transformers_backend import TransformersBackend
@@ -320,7 +321,7 @@ def test_a_producer_round_carries_each_groups_images_once_and_evaluates_with_the
         generation=replace(config.generation, num_generations=3, microbatch_size=2, max_new_tokens=4),
         train=replace(config.train, batch_size=2, minibatch_size=2, microbatch_size=6),
     ).validate()
-    producer = Producer(0, config, build_reward_scorer("boxed", timeout_s=5.0, num_workers=1))
+    producer = Producer(0, resolve(config), build_reward_scorer("boxed", timeout_s=5.0, num_workers=1))
     batch, _ = producer.produce(0)
     assert len(batch.vision) == batch.num_samples == 6
     for group in range(2):

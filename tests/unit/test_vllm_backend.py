@@ -22,6 +22,7 @@ import torch
 from vision_fixtures import build_random_vlm, draw_shapes
 
 from colossal_rl.config import EMBEDDED_MODEL_DIR, GenerationConfig, VllmEngineConfig
+from colossal_rl.config_resolve import resolve
 from colossal_rl.data import ImagePrompting, load_prompt_dataset
 from colossal_rl.rollout import backend as backend_module
 from colossal_rl.rollout.backend import (
@@ -167,7 +168,7 @@ def test_generation_config_to_vllm_sampling_for_training_and_evaluation():
     )
     assert (greedy_eval["max_tokens"], greedy_eval["stop"]) == (32, ["</answer>"])
 
-    sampled_gen = GenerationConfig(temperature=0.8, top_k=40, top_p=0.95, eval_temperature=0.6)
+    sampled_gen = GenerationConfig(temperature=0.8, top_k=40, top_p=0.95, eval_temperature=0.6, stop_strings=())
     sampled_eval = sampling_params_kwargs(eval_sampling(sampled_gen), 1, stop_token_ids=[0], seed=5)
     assert (sampled_eval["n"], sampled_eval["temperature"], sampled_eval["top_k"], sampled_eval["top_p"]) == (
         1,
@@ -636,7 +637,7 @@ def test_producer_asks_vllm_for_the_training_precision(monkeypatch, precision, d
         raise Created(kwargs)
 
     monkeypatch.setattr(producer_module, "create_backend", fake_create_backend)
-    config = RLConfig()
+    config = resolve(RLConfig())
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, precision=precision))
     with pytest.raises(Created) as created:
         producer_module.Producer(0, config, reward_scorer=None)
