@@ -193,45 +193,31 @@ class ProducerActor:
     def join_weight_sync(self, routes_by_producer: list) -> None:
         """Open this producer's receiver of every pipeline stage (``comm/weight_sync_modes.py``), in stage order."""
         from colossal_rl.comm.process_group import default_device
-        from colossal_rl.comm.weight_sync import stage_group_name
-        from colossal_rl.comm.weight_sync_modes import open_receiver
+        from colossal_rl.comm.weight_sync_modes import open_receivers
 
         for receiver in self.receivers:  # a group formed again (after a producer restarted) replaces the old one
             receiver.close()
         self.receivers = []
-        run = self.config.run
+        run, routes = self.config.run, routes_by_producer[self.rank]
         if self.config.engine_workers_receive_weights:  # each vLLM worker joins as one of this producer's members
-            self.producer.backend.join_weight_sync(
-                routes_by_producer[self.rank], timeout_s=run.timeout_s, transport=run.weight_sync_backend
-            )
+            self.producer.backend.join_weight_sync(routes, timeout_s=run.timeout_s, transport=run.weight_sync_backend)
             return
         # On GPUs broadcast weights arrive over NCCL into this actor's GPU; on CPU over gloo.
-        self.receivers = [
-            open_receiver(
-                route,
-                timeout_s=self.config.run.timeout_s,
-                transport=self.config.run.weight_sync_backend,
-                group_name=stage_group_name(route.stage),
-                device=default_device(),
-            )
-            for route in routes_by_producer[self.rank]
-        ]
+        self.receivers = open_receivers(
+            routes, timeout_s=run.timeout_s, transport=run.weight_sync_backend, device=default_device()
+        )
 
     def receive_weights(self, policy_version: int) -> None:
-        from colossal_rl.comm.weight_sync import receive_stages
+        from colossal_rl.comm.weight_sync import receive_version
 
         self._check_weights()
         with self.producer.phases.record("sync"):
             if self.config.engine_workers_receive_weights:
                 self.producer.receive_weights_in_engine(policy_version)
                 return
-            received_version, tensors = receive_stages(self.receivers)
-            if received_version != policy_version:
-                raise RuntimeError(
-                    f"producer {self.rank}: expected weights version {policy_version}, got {received_version}"
-                )
-            if received_version != self.producer.policy_version:  # equal: a sync repeated after a restart
-                self.producer.load_weights(received_version, tensors)
+            tensors = receive_version(self.receivers, policy_version, who=f"producer {self.rank}")
+            if policy_version != self.producer.policy_version:  # equal: a sync repeated after a restart
+                self.producer.load_weights(policy_version, tensors)
 
     def restore_weights(self, policy_version: int, *stage_weights: dict[str, torch.Tensor]) -> None:
         """After a restart: load ``policy_version``'s weights (every sync stage's part, from the object store)."""

@@ -226,6 +226,14 @@ def receive_stages(receivers: Sequence[WeightReceiver]) -> tuple[int, dict[str, 
     return versions[0], merge_stage_parts([tensors for _, tensors in parts])
 
 
+def receive_version(receivers: Sequence[WeightReceiver], policy_version: int, *, who: str) -> dict[str, torch.Tensor]:
+    """:func:`receive_stages`, refusing a sync that is not ``policy_version`` (``who`` names the receiver)."""
+    received_version, tensors = receive_stages(receivers)
+    if received_version != policy_version:
+        raise RuntimeError(f"{who}: expected weights version {policy_version}, got {received_version}")
+    return tensors
+
+
 class WeightSender:
     """Rank 0 of ``group``: broadcasts state dicts matching ``layout`` to every other member."""
 

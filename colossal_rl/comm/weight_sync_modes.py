@@ -180,6 +180,25 @@ def open_sender(
     return senders[0] if len(senders) == 1 else FanOutSender(senders)
 
 
+def open_receivers(
+    routes: Sequence[ReceiveRoute], *, timeout_s: float, transport: str, device, member: int = 0
+) -> list:
+    """One receiver per pipeline stage's route (stage order), each on its stage's group; ``member`` as below."""
+    from colossal_rl.comm.sync_stages import stage_group_name
+
+    return [
+        open_receiver(
+            route,
+            timeout_s=timeout_s,
+            transport=transport,
+            group_name=stage_group_name(route.stage),
+            device=device,
+            member=member,
+        )  # fmt: skip
+        for route in routes
+    ]
+
+
 def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, group_name: str, device, member: int = 0):
     """The receiver ``route`` asks for; ``member``: which of the producer's receiving processes this is."""
     if not 0 <= member < route.members:

@@ -40,21 +40,10 @@ def open_worker_receivers(
     messages: Sequence[dict[str, Any]], *, member: int, timeout_s: float, transport: str, device: Any
 ) -> list:
     """This worker's receiver of every pipeline stage (stage order); ``member``: its tensor-parallel rank."""
-    from colossal_rl.comm.weight_sync import stage_group_name
-    from colossal_rl.comm.weight_sync_modes import open_receiver
+    from colossal_rl.comm.weight_sync_modes import open_receivers
 
     routes = routes_from_messages(messages)
-    return [
-        open_receiver(
-            route,
-            timeout_s=timeout_s,
-            transport=transport,
-            group_name=stage_group_name(route.stage),
-            device=device,
-            member=member,
-        )
-        for route in routes
-    ]
+    return open_receivers(routes, timeout_s=timeout_s, transport=transport, device=device, member=member)
 
 
 def receive_and_load(
@@ -70,15 +59,13 @@ def receive_and_load(
     """Receive sync ``policy_version`` from every stage and load it into ``worker``'s shard; the parameters the
     sync did not reach. A sync of the version already loaded (repeated after a producer restarted) is received, to
     stay in step with the sender, and not loaded again."""
-    from colossal_rl.comm.weight_sync import receive_stages
+    from colossal_rl.comm.weight_sync import receive_version
     from colossal_rl.rollout.vllm_weights import load_weights_on_worker, to_vllm_weights
 
     if not receivers:
         raise RuntimeError("this vLLM worker has not joined the weight sync (colossal_rl_join_weight_sync)")
-    received_version, tensors = receive_stages(receivers)
-    if received_version != policy_version:
-        raise RuntimeError(f"vLLM worker: expected weights version {policy_version}, got {received_version}")
-    if received_version == loaded_version:
+    tensors = receive_version(receivers, policy_version, who="vLLM worker")
+    if policy_version == loaded_version:
         return []
     weights = to_vllm_weights(tensors, tie_word_embeddings=tie_word_embeddings)
     return load_weights_on_worker(worker, weights, architecture, omissible)
