@@ -32,7 +32,6 @@ from colossal_rl.actor_groups import (
     gather,
     gather_groups,
     spawn_actors,
-    split_results,
 )
 from colossal_rl.actor_messages import RoundResult
 from colossal_rl.comm.sync_stages import stage_senders
@@ -270,12 +269,12 @@ class Driver:
         groups = make()
         retries_without_restart = 0
         while True:
-            calls = [call for group in groups for call in group]
             try:
-                return split_results(gather(calls, self.timeout), groups)
+                return gather_groups(groups, self.timeout)
             except RunFailed as failure:
                 if failure.any_died(TrainerGroup.kind):
                     raise RunFailed(f"{failure}; {resume_hint(self.run_dir)}", failure.outcomes) from None
+                calls = [call for group in groups for call in group]
                 restarted = self.restarts.restarted(failure, calls, whole_sync=remake)
                 retries_without_restart = 0 if restarted else retries_without_restart + 1
                 if retries_without_restart > 2:  # failing again with nobody restarted: not a producer death

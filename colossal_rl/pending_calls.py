@@ -17,7 +17,7 @@ Torch-free; Ray only through the ``redo_lost`` and ``finished`` functions it is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from colossal_rl.actor_groups import Call, Calls
@@ -98,6 +98,3 @@ class PendingCalls:
         """Rounds a checkpoint saved as finished (their results stand in for the calls)."""
         for round_index, calls in finished_rounds.items():
             self.submit_round(round_index, calls)
-
-    def __iter__(self) -> Iterator[tuple[int, Calls]]:
-        return iter((r, self._rounds[r]) for r in self.rounds())
