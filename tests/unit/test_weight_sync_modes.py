@@ -74,7 +74,7 @@ def test_shm_plan_with_every_producer_on_host_forms_no_group():
     assert all(routes[0].kind == "shm" for routes in receives)
 
 
-def test_broadcast_plan_is_todays_group_and_checkpoint_plan_has_none():
+def test_broadcast_plan_is_todays_group_and_files_plan_has_none():
     addresses = [("h", 1), ("h", 2)]
     sends, receives = plan_routes(
         "broadcast", sender_nodes=["a", "b"], producer_nodes=["a", "c"], addresses=addresses, run_dir="/r", formation=1
@@ -85,13 +85,13 @@ def test_broadcast_plan_is_todays_group_and_checkpoint_plan_has_none():
         [(0, 2, ("h", 1)), (1, 2, ("h", 2))],
     ]
     sends, receives = plan_routes(
-        "checkpoint", sender_nodes=["a", "b"], producer_nodes=["a", "c"], addresses=addresses, run_dir="/r", formation=2
+        "files", sender_nodes=["a", "b"], producer_nodes=["a", "c"], addresses=addresses, run_dir="/r", formation=2
     )
-    assert [(s.broadcast_world_size, s.checkpoint_dir, s.file_prefix) for s in sends] == [
+    assert [(s.broadcast_world_size, s.files_dir, s.file_prefix) for s in sends] == [
         (1, "/r/weight_sync", "f2-stage0"),
         (1, "/r/weight_sync", "f2-stage1"),
     ]
-    assert all(r.kind == "checkpoint" for routes in receives for r in routes)
+    assert all(r.kind == "files" for routes in receives for r in routes)
 
 
 def test_region_names_differ_per_run_formation_and_stage():
@@ -281,14 +281,14 @@ def test_fan_out_sender_feeds_shm_and_files_through_open_sender_and_open_receive
         device="cpu",
     )  # fmt: skip
     files = open_sender(
-        SendRoute(0, 1, None, checkpoint_dir=str(tmp_path / "ws"), file_prefix="f1-stage0"),
+        SendRoute(0, 1, None, files_dir=str(tmp_path / "ws"), file_prefix="f1-stage0"),
         state_dict(0.0), timeout_s=5, transport="torch", group_name="g", device="cpu",
     )  # fmt: skip
     sender = FanOutSender([shm, files])
     receivers = [
         open_receiver(ReceiveRoute("shm", 0, location=region), timeout_s=5, transport="torch", group_name="g",
                       device="cpu"),
-        open_receiver(ReceiveRoute("checkpoint", 0, location=str(tmp_path / "ws"), file_prefix="f1-stage0"),
+        open_receiver(ReceiveRoute("files", 0, location=str(tmp_path / "ws"), file_prefix="f1-stage0"),
                       timeout_s=5, transport="torch", group_name="g", device="cpu"),
     ]  # fmt: skip
     sender.send(state_dict(5.0), 5)
@@ -391,7 +391,7 @@ def test_a_producer_with_several_receiving_processes_holds_consecutive_broadcast
         ("shm", 0, 2), ("broadcast", 1, 2), ("shm", 0, 2), ("broadcast", 3, 2),
     ]  # fmt: skip
     _, receives = plan_routes(
-        "checkpoint", sender_nodes=["a"], producer_nodes=["a"], addresses=[("h", 1)], run_dir="/r", formation=1,
+        "files", sender_nodes=["a"], producer_nodes=["a"], addresses=[("h", 1)], run_dir="/r", formation=1,
         receivers_per_producer=[4],
     )  # fmt: skip
     assert receives[0][0].members == 4
