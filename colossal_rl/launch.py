@@ -24,7 +24,6 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.actor_groups import (
     Calls,
     RunFailed,
@@ -45,7 +44,9 @@ from colossal_rl.placement import check_transport_for_cluster, resolve_precision
 from colossal_rl.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.rollout.eval_result import aggregate_eval
-from colossal_rl.run_checkpoint import RunProgress
+from colossal_rl.run_checkpoints import on_disk as ckpt
+from colossal_rl.run_checkpoints.on_disk import RunProgress
+from colossal_rl.run_checkpoints.save_and_resume import checkpoint_to_resume, checkpoints_dir, restore_run, save_run
 from colossal_rl.run_outputs import (
     eval_dir,
     prepare_eval_dir,
@@ -54,7 +55,6 @@ from colossal_rl.run_outputs import (
     write_failed_marker,
     write_rollout_samples,
 )
-from colossal_rl.save_and_resume import checkpoint_to_resume, checkpoints_dir, restore_run, save_run
 from colossal_rl.startup import first_round_report, process_started_at, spawn_span
 
 logger = logging.getLogger(__name__)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import ConfigError, RLConfig, RunConfig
 from colossal_rl.config_files import config_to_yaml, load_config_file
 from colossal_rl.config_resolve import resolve
+from colossal_rl.run_checkpoints import on_disk as ckpt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
@@ -54,7 +54,7 @@ def test_the_flag_takes_the_old_name_with_one_warning_and_offers_only_the_new(ca
 
 def test_an_old_runs_config_file_still_resumes_with_files(tmp_path, caplog):
     """An old run directory: its ``config.yaml`` and its checkpoint's ``state.json`` both say ``checkpoint``."""
-    from colossal_rl.save_and_resume import checkpoint_to_resume, config_as_json
+    from colossal_rl.run_checkpoints.save_and_resume import checkpoint_to_resume, config_as_json
 
     saved = resolve(RLConfig())  # what a run writes: the resolved config
     old = config_as_json(saved)
