@@ -4,14 +4,14 @@ One sender and 1 or 3 receivers, each a separate process, over standalone gloo g
 For each model's full state dict, measured side by side in one run (methods interleaved, median of
 rounds):
 
-  bucketed     colossal_rl.comm.weight_sync: one broadcast per 16 MiB bucket, the version inside bucket 0
+  bucketed     colossal_rl.comm.weight_sync.bucketed: one broadcast per 16 MiB bucket, the version inside bucket 0
   flat         one broadcast of one preallocated buffer of the same bytes (packing not timed): the ceiling
   flat-chunks  that buffer in bucket-sized pieces, all in flight at once: bucketed's op count without packing
   per-tensor   for every tensor: pickled (name, shape, dtype) as a broadcast object, then the tensor
   coati        ColossalChat's ray_broadcast_tensor_dict: all metadata pickled once, then one broadcast per tensor
-  shm          --weight-sync-mode shm (comm/shared_memory_sync.py): the sender writes a /dev/shm slot, receivers
+  shm          --weight-sync-mode shm (comm/weight_sync/shared_memory.py): the sender writes a /dev/shm slot, receivers
                take zero-copy views of it
-  files        --weight-sync-mode files (comm/file_sync.py): the sender writes a safetensors file (tmp +
+  files        --weight-sync-mode files (comm/weight_sync/files.py): the sender writes a safetensors file (tmp +
                os.replace, newest 2 kept) in --file-dir, receivers load it
 
 Receivers keep what they received (views for bucketed and shm); nobody loads weights into a model here. A
@@ -35,10 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_rl.comm.file_sync import FileReceiver, FileSender
 from colossal_rl.comm.process_group import StandaloneGroup, create_standalone_group, find_free_port
-from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver, SharedMemorySender
-from colossal_rl.comm.weight_sync import (
+from colossal_rl.comm.weight_sync.bucketed import (
     DEFAULT_BUCKET_BYTES,
     WeightLayout,
     WeightReceiver,
@@ -46,6 +44,8 @@ from colossal_rl.comm.weight_sync import (
     chunk_ranges,
     exchange_layout,
 )
+from colossal_rl.comm.weight_sync.files import FileReceiver, FileSender
+from colossal_rl.comm.weight_sync.shared_memory import SharedMemoryReceiver, SharedMemorySender
 
 HOST = "127.0.0.1"
 NUM_PROCESSES = 4  # one sender, up to three receivers

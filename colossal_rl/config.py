@@ -555,11 +555,11 @@ class RunConfig:
     trainer_threads: int | None = None
     """torch intra-op threads per trainer; None: the machine's cores split evenly over all actors."""
     weight_sync_backend: WeightSyncBackend = "torch"
-    """Group carrying the trainer-to-producer weight sync (``comm/transports.py``). ``torch``: torch's own
+    """Group carrying the trainer-to-producer weight sync (``comm/weight_sync/transports.py``). ``torch``: torch's own
     process group over a standalone TCPStore, gloo for CPU weights and ProcessGroupNCCL for GPU weights.
     ``ray_nccl``: Ray's cupy-based NCCL collective group (GPUs only, needs cupy: the ``gpu`` extra)."""
     weight_sync_mode: WeightSyncMode = "broadcast"
-    """How new weights reach the producers (``comm/weight_sync_modes.py``). ``broadcast``: the collective group
+    """How new weights reach the producers (``comm/weight_sync/modes.py``). ``broadcast``: the collective group
     above. ``shm``: producers on the sending trainer's host read them from double-buffered shared memory
     (``/dev/shm``), producers on other hosts keep the broadcast. ``files``: the trainer writes a
     safetensors file per sync (atomically) into the run directory and producers load it: no collective.

@@ -33,8 +33,8 @@ from colossal_rl.actor_groups import (
     spawn_actors,
 )
 from colossal_rl.actor_messages import RoundResult
-from colossal_rl.comm.sync_stages import stage_senders
-from colossal_rl.comm.weight_sync_modes import plan_routes
+from colossal_rl.comm.weight_sync.modes import plan_routes
+from colossal_rl.comm.weight_sync.stages import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.local_ray import shutdown_local_ray
@@ -485,7 +485,7 @@ class Driver:
             except Exception as error:  # already dead: nothing left to clean up
                 logger.debug("kill of an actor failed: %s", error)
         if self.config.run.weight_sync_mode == "shm":  # a trainer killed before closing its region leaves it behind
-            from colossal_rl.comm.weight_sync_modes import remove_leftover_regions
+            from colossal_rl.comm.weight_sync.modes import remove_leftover_regions
 
             for path in remove_leftover_regions(self.run_dir):
                 logger.info("removed the shared-memory weight-sync region %s (its sender did not close it)", path)

@@ -128,7 +128,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="sync_checksum_unchecked",
         why="a receiver accepts a sync whose header carries another weight layout's plan checksum",
-        path="colossal_rl/comm/weight_sync.py",
+        path="colossal_rl/comm/weight_sync/bucketed.py",
         old="        if checksum != self.checksum:\n",
         new="        if False:\n",
         tests=(
@@ -358,7 +358,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="shm_checksum_unchecked",
         why="a shared-memory receiver reads a slot stamped with another layout's plan checksum as its own layout",
-        path="colossal_rl/comm/shared_memory_sync.py",
+        path="colossal_rl/comm/weight_sync/shared_memory.py",
         old="                if checksum != self.checksum:\n",
         new="                if False:\n",
         tests=("tests/unit/test_weight_sync_modes.py::test_shm_receiver_refuses_a_version_written_for_another_layout",),
@@ -437,7 +437,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="nccl_stages_received_concurrently",
         why="a producer receives every pipeline stage at once over several NCCL communicators (can deadlock)",
-        path="colossal_rl/comm/weight_sync.py",
+        path="colossal_rl/comm/weight_sync/bucketed.py",
         old='    if any(receiver.group.backend == "nccl" for receiver in receivers):\n',
         new="    if False:\n",
         tests=(

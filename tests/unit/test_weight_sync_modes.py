@@ -1,4 +1,4 @@
-"""``--weight-sync-mode``: who reads what (``weight_sync_modes``), shared memory (no torn reads), sync files."""
+"""``--weight-sync-mode``: who reads what (``comm/weight_sync/modes.py``), shared memory (no torn reads), sync files."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from colossal_rl.comm.file_sync import FileReceiver, FileSender, sync_file_name, sync_files
-from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver, SharedMemorySender, region_paths
-from colossal_rl.comm.weight_sync import WeightLayout
-from colossal_rl.comm.weight_sync_modes import (
+from colossal_rl.comm.weight_sync.bucketed import WeightLayout
+from colossal_rl.comm.weight_sync.files import FileReceiver, FileSender, sync_file_name, sync_files
+from colossal_rl.comm.weight_sync.modes import (
     FanOutSender,
     ReceiveRoute,
     SendRoute,
@@ -24,6 +23,7 @@ from colossal_rl.comm.weight_sync_modes import (
     region_name,
     shm_readers,
 )
+from colossal_rl.comm.weight_sync.shared_memory import SharedMemoryReceiver, SharedMemorySender, region_paths
 
 
 def state_dict(fill: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -253,13 +253,13 @@ def test_file_receiver_times_out_naming_the_files(tmp_path: Path):
 
 def test_file_write_is_atomic_a_reader_never_sees_a_partial_file(tmp_path: Path, monkeypatch):
     """The file appears under its name only once whole: a crash while writing leaves no file and no temp."""
-    import colossal_rl.comm.file_sync as file_sync
+    import colossal_rl.comm.weight_sync.files as files
 
     def crash(tensors, path, metadata):
         Path(path).write_bytes(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(file_sync, "save_file", crash)
+    monkeypatch.setattr(files, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         FileSender(tmp_path, "f1-stage0").send(state_dict(1.0), 1)
     assert list(tmp_path.iterdir()) == []
@@ -302,9 +302,9 @@ def test_fan_out_sender_feeds_shm_and_files_through_open_sender_and_open_receive
 
 
 def test_shm_copy_in_pieces_over_threads_matches_a_single_copy(region: str, monkeypatch):
-    import colossal_rl.comm.shared_memory_sync as shared_memory_sync
+    import colossal_rl.comm.weight_sync.shared_memory as shared_memory
 
-    monkeypatch.setattr(shared_memory_sync, "COPY_PIECE_BYTES", 1000)  # many pieces per tensor
+    monkeypatch.setattr(shared_memory, "COPY_PIECE_BYTES", 1000)  # many pieces per tensor
     generator = torch.Generator().manual_seed(0)
     state = {name: torch.rand(t.shape, generator=generator).to(t.dtype) for name, t in state_dict(0.0).items()}
     state["strided"] = torch.rand(40, 30, generator=generator).t()  # not contiguous: copied whole
@@ -363,7 +363,7 @@ def test_shm_plan_end_to_end_one_producer_on_host_one_off_host_over_a_real_gloo_
 
 
 def test_leftover_regions_of_this_run_are_removed_and_others_kept(tmp_path: Path):
-    from colossal_rl.comm.weight_sync_modes import region_name, remove_leftover_regions
+    from colossal_rl.comm.weight_sync.modes import region_name, remove_leftover_regions
 
     ours = [Path(region_name(tmp_path / "run", formation, 0, shm_root=tmp_path)) for formation in (0, 1)]
     theirs = Path(region_name(tmp_path / "other_run", 0, 0, shm_root=tmp_path))

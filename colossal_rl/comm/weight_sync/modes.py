@@ -2,9 +2,9 @@
 
 ``plan_routes`` is pure: given the mode, where the senders and producers run and the broadcast addresses, it
 says per stage what the sender sets up (``SendRoute``) and per producer and stage how it receives
-(``ReceiveRoute``). ``broadcast``: every producer joins the stage's group (``weight_sync.py``). ``shm``:
-producers on the sender's node read ``shared_memory_sync.py``'s region; the others join a broadcast group of
-just them (ranks renumbered 1..n). ``files``: every producer loads ``file_sync.py``'s files.
+(``ReceiveRoute``). ``broadcast``: every producer joins the stage's group (``bucketed.py``). ``shm``:
+producers on the sender's node read ``shared_memory.py``'s region; the others join a broadcast group of
+just them (ranks renumbered 1..n). ``files``: every producer loads ``files.py``'s files.
 A producer may receive in several processes (a vLLM engine's tensor-parallel workers, each joining the sync
 itself): it then holds that many consecutive broadcast ranks, and each of its processes opens the route as one
 ``member``.
@@ -153,9 +153,9 @@ def open_sender(
     device: torch.device | str,
 ):
     """The sender ``route`` asks for (collective for the broadcast part: every broadcast receiver joins)."""
-    from colossal_rl.comm.file_sync import FileSender
-    from colossal_rl.comm.shared_memory_sync import host_shared_memory
-    from colossal_rl.comm.weight_sync import host_as_sender
+    from colossal_rl.comm.weight_sync.bucketed import host_as_sender
+    from colossal_rl.comm.weight_sync.files import FileSender
+    from colossal_rl.comm.weight_sync.shared_memory import host_shared_memory
 
     if route.files_dir is not None:
         return FileSender(route.files_dir, route.file_prefix)
@@ -184,7 +184,7 @@ def open_receivers(
     routes: Sequence[ReceiveRoute], *, timeout_s: float, transport: str, device, member: int = 0
 ) -> list:
     """One receiver per pipeline stage's route (stage order), each on its stage's group; ``member`` as below."""
-    from colossal_rl.comm.sync_stages import stage_group_name
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
 
     return [
         open_receiver(
@@ -203,9 +203,9 @@ def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, grou
     """The receiver ``route`` asks for; ``member``: which of the producer's receiving processes this is."""
     if not 0 <= member < route.members:
         raise ValueError(f"member {member} of a route with {route.members} receiving processes")
-    from colossal_rl.comm.file_sync import FileReceiver
-    from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver
-    from colossal_rl.comm.weight_sync import join_as_receiver
+    from colossal_rl.comm.weight_sync.bucketed import join_as_receiver
+    from colossal_rl.comm.weight_sync.files import FileReceiver
+    from colossal_rl.comm.weight_sync.shared_memory import SharedMemoryReceiver
 
     if route.kind == "files":
         return FileReceiver(route.location, route.file_prefix, timeout_s)
