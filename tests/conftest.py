@@ -1,6 +1,10 @@
-"""Shared pytest setup: GPU tests skip themselves on machines without CUDA; Ray runs without auth locally."""
+"""Shared pytest setup: GPU tests skip themselves on machines without CUDA; Ray runs without auth locally; with vLLM
+tests selected, the producers' environment starts building in the background as soon as collection ends."""
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -18,3 +22,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+_background_build: subprocess.Popen | None = None
+
+
+def producer_env_missing() -> bool:
+    """Whether the vLLM producers' environment this checkout needs is not built yet (and no override names one)."""
+    from colossal_rl.producer_env import PYTHON_OVERRIDE_VARIABLE, detect_kind, env_dir, is_complete, spec_for
+
+    if os.environ.get(PYTHON_OVERRIDE_VARIABLE):
+        return False
+    spec = spec_for(detect_kind())
+    return not is_complete(env_dir(spec), spec)
+
+
+def pytest_collection_finish(session):
+    """Minutes of pip that would otherwise stall the first vLLM test overlap every test collected before it: the
+    tier's fixture (``ensure_producer_env``) then waits on this build's lock, or finds it done."""
+    global _background_build
+    if not any("vllm" in item.keywords for item in session.items) or not producer_env_missing():
+        return
+    log = open(os.devnull, "w")  # noqa: SIM115  (the build writes its own log next to the environment)
+    _background_build = subprocess.Popen(
+        [sys.executable, "-m", "colossal_rl.producer_env", "build"], stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A build still running when the session ends (its tests deselected or failed early) is stopped, pip included:
+    the next build starts over (an environment is used only once marked complete)."""
+    if _background_build is not None and _background_build.poll() is None:
+        os.killpg(_background_build.pid, signal.SIGKILL)
+        _background_build.wait(timeout=30)
