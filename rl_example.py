@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from colossal_rl.launch import run_training
     from colossal_rl.placement import PlacementError
     from colossal_rl.producer_env import ProducerEnvError
-    from colossal_rl.run_checkpoint import CheckpointError
+    from colossal_rl.run_checkpoints.on_disk import CheckpointError
     from colossal_rl.run_outputs import OutputDirError
 
     try:

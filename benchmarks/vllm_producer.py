@@ -94,7 +94,8 @@ def send_syncs(ports: tuple[int, int], model_dir: str, reps: int) -> None:
     receiver, then the engine's worker) and sends ``reps`` versions on each, alternating."""
     from safetensors.torch import load_file
 
-    from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
+    from colossal_rl.comm.weight_sync.bucketed import host_as_sender
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
 
     weights = load_file(f"{model_dir}/model.safetensors")
     senders = [
@@ -127,8 +128,9 @@ def sync_cost(model_dir: str, reps: int) -> None:
     import multiprocessing
 
     from colossal_rl.comm.process_group import find_free_port
-    from colossal_rl.comm.weight_sync import join_as_receiver, stage_group_name
-    from colossal_rl.comm.weight_sync_modes import plan_routes
+    from colossal_rl.comm.weight_sync.bucketed import join_as_receiver
+    from colossal_rl.comm.weight_sync.modes import plan_routes
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
     from colossal_rl.config import VllmEngineConfig
     from colossal_rl.rollout.backend import create_backend
 

@@ -4,21 +4,21 @@ One sender and 1 or 3 receivers, each a separate process, over standalone gloo g
 For each model's full state dict, measured side by side in one run (methods interleaved, median of
 rounds):
 
-  bucketed     colossal_rl.comm.weight_sync: one broadcast per 16 MiB bucket, the version inside bucket 0
+  bucketed     colossal_rl.comm.weight_sync.bucketed: one broadcast per 16 MiB bucket, the version inside bucket 0
   flat         one broadcast of one preallocated buffer of the same bytes (packing not timed): the ceiling
   flat-chunks  that buffer in bucket-sized pieces, all in flight at once: bucketed's op count without packing
   per-tensor   for every tensor: pickled (name, shape, dtype) as a broadcast object, then the tensor
   coati        ColossalChat's ray_broadcast_tensor_dict: all metadata pickled once, then one broadcast per tensor
-  shm          --weight-sync-mode shm (comm/shared_memory_sync.py): the sender writes a /dev/shm slot, receivers
+  shm          --weight-sync-mode shm (comm/weight_sync/shared_memory.py): the sender writes a /dev/shm slot, receivers
                take zero-copy views of it
-  checkpoint   --weight-sync-mode checkpoint (comm/file_sync.py): the sender writes a safetensors file (tmp +
+  files        --weight-sync-mode files (comm/weight_sync/files.py): the sender writes a safetensors file (tmp +
                os.replace, newest 2 kept) in --file-dir, receivers load it
 
 Receivers keep what they received (views for bucketed and shm); nobody loads weights into a model here. A
-shm/checkpoint receiver may skip a version (it takes the newest): it receives until it has the sender's last.
+shm/files receiver may skip a version (it takes the newest): it receives until it has the sender's last.
 
     .venv/bin/python benchmarks/weight_sync.py [--models tiny,medium,qwen2-0.5b] [--bucket-mb 16]
-        [--methods bucketed,flat,shm,checkpoint] [--file-dir /tmp]
+        [--methods bucketed,flat,shm,files] [--file-dir /tmp]
 """
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_rl.comm.file_sync import FileReceiver, FileSender
 from colossal_rl.comm.process_group import StandaloneGroup, create_standalone_group, find_free_port
-from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver, SharedMemorySender
-from colossal_rl.comm.weight_sync import (
+from colossal_rl.comm.weight_sync.bucketed import (
     DEFAULT_BUCKET_BYTES,
     WeightLayout,
     WeightReceiver,
@@ -46,11 +44,13 @@ from colossal_rl.comm.weight_sync import (
     chunk_ranges,
     exchange_layout,
 )
+from colossal_rl.comm.weight_sync.files import FileReceiver, FileSender
+from colossal_rl.comm.weight_sync.shared_memory import SharedMemoryReceiver, SharedMemorySender
 
 HOST = "127.0.0.1"
 NUM_PROCESSES = 4  # one sender, up to three receivers
 TIMEOUT_S = 600.0
-METHODS = ("bucketed", "flat", "flat-chunks", "per-tensor", "coati", "shm", "checkpoint")
+METHODS = ("bucketed", "flat", "flat-chunks", "per-tensor", "coati", "shm", "files")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,7 +193,7 @@ def measure(
             "per-tensor": lambda: per_tensor_sync(group, state, len(layout.tensors)),
             "coati": lambda: coati_sync(group, state),
             "shm": lambda: shm.send(state, next(shm_versions)),
-            "checkpoint": lambda: files.send(state, next(file_versions)),
+            "files": lambda: files.send(state, next(file_versions)),
         }
     group.barrier()  # the region exists before receivers open it
     if group.rank != 0:
@@ -209,7 +209,7 @@ def measure(
             "per-tensor": lambda: per_tensor_sync(group, None, len(layout.tensors)),
             "coati": lambda: coati_sync(group, None),
             "shm": lambda: receive_up_to(shm, shm_versions),
-            "checkpoint": lambda: receive_up_to(files, file_versions),
+            "files": lambda: receive_up_to(files, file_versions),
         }
     rounds = []
     for round_index in range(case.rounds):
@@ -316,7 +316,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20)
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
-    parser.add_argument("--file-dir", default=tempfile.gettempdir(), help="where the checkpoint method writes")
+    parser.add_argument("--file-dir", default=tempfile.gettempdir(), help="where the files method writes")
     args = parser.parse_args()
     cases = args.models.split(",")
     methods = tuple(args.methods.split(","))
@@ -335,9 +335,7 @@ def main() -> None:
     for row in rows:
         parts = [f"bucketed at {100 * row.ratio_to_flat():.0f}% of flat"] if "flat" in methods else []
         parts += [f"{row.speedup(m):.1f}x faster than {m}" for m in ("per-tensor", "coati") if m in methods]
-        parts += [
-            f"{m} {row.relative(m, 'bucketed'):.2f}x bucketed's speed" for m in ("shm", "checkpoint") if m in methods
-        ]
+        parts += [f"{m} {row.relative(m, 'bucketed'):.2f}x bucketed's speed" for m in ("shm", "files") if m in methods]
         print(f"{row.model} x{row.receivers}: " + ", ".join(parts) + (" (shm goal >= 3x)" if "shm" in methods else ""))
     if not {"flat", "per-tensor"} <= set(methods):
         return

@@ -181,7 +181,7 @@ class ProducerGroup(ActorGroup):
         )
 
     def join_weight_sync(self, routes_by_producer: list) -> Calls:
-        """``routes_by_producer[rank]``: that producer's ``ReceiveRoute`` of every stage (``weight_sync_modes``)."""
+        """``routes_by_producer[rank]``: that producer's ``ReceiveRoute`` of every stage (``comm/weight_sync/modes.py``)."""
         return self._each("join_weight_sync", lambda actor: actor.join_weight_sync.remote(routes_by_producer))
 
     def produce(self, round_index: int, buffer) -> Calls:
@@ -207,7 +207,7 @@ class TrainerGroup(ActorGroup):
         return self._each("weight_sync_address", lambda actor: actor.weight_sync_address.remote(), ranks)
 
     def setup_weight_sync(self, routes: list, retain: bool) -> Calls:
-        """``routes[stage]``: the ``SendRoute`` of each pipeline stage (``weight_sync_modes``)."""
+        """``routes[stage]``: the ``SendRoute`` of each pipeline stage (``comm/weight_sync/modes.py``)."""
         return self._each("setup_weight_sync", lambda actor: actor.setup_weight_sync.remote(routes, retain))
 
     def set_total_steps(self, total_steps: int) -> Calls:

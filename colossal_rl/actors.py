@@ -191,9 +191,9 @@ class ProducerActor:
         )
 
     def join_weight_sync(self, routes_by_producer: list) -> None:
-        """Open this producer's receiver of every pipeline stage (``comm/weight_sync_modes.py``), in stage order."""
+        """Open this producer's receiver of every pipeline stage (``comm/weight_sync/modes.py``), in stage order."""
         from colossal_rl.comm.process_group import default_device
-        from colossal_rl.comm.weight_sync_modes import open_receivers
+        from colossal_rl.comm.weight_sync.modes import open_receivers
 
         for receiver in self.receivers:  # a group formed again (after a producer restarted) replaces the old one
             receiver.close()
@@ -208,7 +208,7 @@ class ProducerActor:
         )
 
     def receive_weights(self, policy_version: int) -> None:
-        from colossal_rl.comm.weight_sync import receive_version
+        from colossal_rl.comm.weight_sync.bucketed import receive_version
 
         self._check_weights()
         with self.producer.phases.record("sync"):
@@ -304,13 +304,13 @@ class TrainerActor:
 
     def setup_weight_sync(self, routes: list, retain: bool = True) -> list:
         """Every rank takes part in gathering the weights; each pipeline stage's sender opens that stage's route
-        (``comm/weight_sync_modes.py``: a broadcast group it hosts, a shared-memory region or sync files).
+        (``comm/weight_sync/modes.py``: a broadcast group it hosts, a shared-memory region or sync files).
 
         Formed again after a producer restarted (the old one is closed first). Returns :meth:`_retain`'s
         copy of the weights held now when ``retain``."""
         from colossal_rl.comm.process_group import default_device
-        from colossal_rl.comm.weight_sync import stage_group_name
-        from colossal_rl.comm.weight_sync_modes import open_sender
+        from colossal_rl.comm.weight_sync.modes import open_sender
+        from colossal_rl.comm.weight_sync.stages import stage_group_name
 
         state, stage = self.trainer.stage_state_dict(), self.trainer.sync_stage
         if (state is None) != (stage is None):

@@ -11,10 +11,13 @@ This module must not import torch, ray or colossalai.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+logger = logging.getLogger(__name__)
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL_DIR = ASSETS_DIR / "tiny_qwen2"
@@ -40,7 +43,12 @@ AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 WeightSyncBackend = Literal["torch", "ray_nccl"]
 WeightReceive = Literal["auto", "workers", "producer"]
 SequenceLayout = Literal["auto", "padded", "packed", "shared_prompt"]
-WeightSyncMode = Literal["broadcast", "shm", "checkpoint"]
+WeightSyncMode = Literal["broadcast", "shm", "files"]
+DEPRECATED_VALUES: dict[str, dict[str, str]] = {
+    "run.weight_sync_mode": {"checkpoint": "files"},  # "checkpoint" now means a run checkpoint only
+}
+"""Old values a field still accepts (config, flag or ``--config`` file): field -> {old value: its new name}. The
+section's ``__post_init__`` renames them, with one warning, so every way of building a config gets the rename."""
 TRUNCATED_IS_CAP = 2.0
 """Cap of the truncated importance weight used whenever producers may run behind the trainers."""
 OBJECTIVE_NAMES: tuple[str, ...] = ("policy_gradient", "dpo")
@@ -66,6 +74,16 @@ class ConfigError(ValueError):
 def _require(condition: bool, field_path: str, message: str) -> None:
     if not condition:
         raise ConfigError(field_path, message)
+
+
+def _rename_deprecated_values(section: object, section_path: str) -> None:
+    """Set every field of ``section`` that holds an old value (:data:`DEPRECATED_VALUES`) to its new name."""
+    for path, renames in DEPRECATED_VALUES.items():
+        parent, _, name = path.rpartition(".")
+        old = getattr(section, name) if parent == section_path else None
+        if isinstance(old, str) and old in renames:
+            logger.warning("%s: %r is deprecated, use %r (the same setting, renamed)", path, old, renames[old])
+            object.__setattr__(section, name, renames[old])  # frozen: the only write, while the section is built
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -537,14 +555,18 @@ class RunConfig:
     trainer_threads: int | None = None
     """torch intra-op threads per trainer; None: the machine's cores split evenly over all actors."""
     weight_sync_backend: WeightSyncBackend = "torch"
-    """Group carrying the trainer-to-producer weight sync (``comm/transports.py``). ``torch``: torch's own
+    """Group carrying the trainer-to-producer weight sync (``comm/weight_sync/transports.py``). ``torch``: torch's own
     process group over a standalone TCPStore, gloo for CPU weights and ProcessGroupNCCL for GPU weights.
     ``ray_nccl``: Ray's cupy-based NCCL collective group (GPUs only, needs cupy: the ``gpu`` extra)."""
     weight_sync_mode: WeightSyncMode = "broadcast"
-    """How new weights reach the producers (``comm/weight_sync_modes.py``). ``broadcast``: the collective group
+    """How new weights reach the producers (``comm/weight_sync/modes.py``). ``broadcast``: the collective group
     above. ``shm``: producers on the sending trainer's host read them from double-buffered shared memory
-    (``/dev/shm``), producers on other hosts keep the broadcast. ``checkpoint``: the trainer writes a
-    safetensors file per sync (atomically) into the run directory and producers load it: no collective."""
+    (``/dev/shm``), producers on other hosts keep the broadcast. ``files``: the trainer writes a
+    safetensors file per sync (atomically) into the run directory and producers load it: no collective.
+    (``checkpoint``, its old name, is still accepted, with a warning.)"""
+
+    def __post_init__(self) -> None:
+        _rename_deprecated_values(self, "run")
 
     def validate(self) -> None:
         _require(self.producer_threads is None or self.producer_threads >= 1, "run.producer_threads", "must be >= 1")
@@ -561,9 +583,9 @@ class RunConfig:
             f"must be torch or ray_nccl, got {self.weight_sync_backend!r}",
         )
         _require(
-            self.weight_sync_mode in ("broadcast", "shm", "checkpoint"),
+            self.weight_sync_mode in ("broadcast", "shm", "files"),
             "run.weight_sync_mode",
-            f"must be broadcast, shm or checkpoint, got {self.weight_sync_mode!r}",
+            f"must be broadcast, shm or files, got {self.weight_sync_mode!r}",
         )
         _require(self.master_port is None or 0 < self.master_port < 65536, "run.master_port", "must be in 1..65535")
 

@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from colossal_rl.config import ConfigError, RLConfig
+from colossal_rl.config import DEPRECATED_VALUES, ConfigError, RLConfig
 from colossal_rl.config_fields import literal_choices, unwrap_optional
 
 CONFIG_FILE = "config.yaml"
@@ -138,7 +138,7 @@ def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
         return None
     choices = literal_choices(annotation)
     if choices is not None:
-        if value in choices:
+        if value in choices or value in DEPRECATED_VALUES.get(path, {}):  # the section renames an old value
             return value
         raise _FieldError(path, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
     if typing.get_origin(annotation) is tuple:

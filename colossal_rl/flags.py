@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from colossal_rl.config import RLConfig
+from colossal_rl.config import DEPRECATED_VALUES, RLConfig
 from colossal_rl.config_fields import field_annotation, field_value, literal_choices, unwrap_optional
 
 
@@ -205,7 +205,10 @@ def add_flags(parser: argparse.ArgumentParser, docs: dict[str, str]) -> None:
                 choices = _algorithm_names()
             kwargs["type"] = value_type
             if flag.choices or choices:
-                kwargs["choices"] = list(flag.choices or choices)
+                shown = list(flag.choices or choices or ())
+                kwargs["choices"] = shown + list(DEPRECATED_VALUES.get(flag.field, {}))  # old values: accepted
+                if len(kwargs["choices"]) > len(shown):  # but not offered
+                    kwargs["metavar"] = "{" + ",".join(shown) + "}"
             kwargs["default"] = field_value(defaults, flag.field)
         parser.add_argument(*flag.names, **kwargs)
 

@@ -24,7 +24,6 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.actor_groups import (
     Calls,
     RunFailed,
@@ -34,8 +33,8 @@ from colossal_rl.actor_groups import (
     spawn_actors,
 )
 from colossal_rl.actor_messages import RoundResult
-from colossal_rl.comm.sync_stages import stage_senders
-from colossal_rl.comm.weight_sync_modes import plan_routes
+from colossal_rl.comm.weight_sync.modes import plan_routes
+from colossal_rl.comm.weight_sync.stages import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.local_ray import shutdown_local_ray
@@ -45,7 +44,9 @@ from colossal_rl.placement import check_transport_for_cluster, resolve_precision
 from colossal_rl.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.rollout.eval_result import aggregate_eval
-from colossal_rl.run_checkpoint import RunProgress
+from colossal_rl.run_checkpoints import on_disk as ckpt
+from colossal_rl.run_checkpoints.on_disk import RunProgress
+from colossal_rl.run_checkpoints.save_and_resume import checkpoint_to_resume, checkpoints_dir, restore_run, save_run
 from colossal_rl.run_outputs import (
     eval_dir,
     prepare_eval_dir,
@@ -54,7 +55,6 @@ from colossal_rl.run_outputs import (
     write_failed_marker,
     write_rollout_samples,
 )
-from colossal_rl.save_and_resume import checkpoint_to_resume, checkpoints_dir, restore_run, save_run
 from colossal_rl.startup import first_round_report, process_started_at, spawn_span
 
 logger = logging.getLogger(__name__)
@@ -485,7 +485,7 @@ class Driver:
             except Exception as error:  # already dead: nothing left to clean up
                 logger.debug("kill of an actor failed: %s", error)
         if self.config.run.weight_sync_mode == "shm":  # a trainer killed before closing its region leaves it behind
-            from colossal_rl.comm.weight_sync_modes import remove_leftover_regions
+            from colossal_rl.comm.weight_sync.modes import remove_leftover_regions
 
             for path in remove_leftover_regions(self.run_dir):
                 logger.info("removed the shared-memory weight-sync region %s (its sender did not close it)", path)

@@ -104,7 +104,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="lr_scheduler_not_restored",
         why="resuming restarts the learning-rate warm-up",
-        path="colossal_rl/training/trainer_state.py",
+        path="colossal_rl/run_checkpoints/trainer_state.py",
         old="    booster.load_lr_scheduler(lr_scheduler, str(directory / SCHEDULER_FILE))\n",
         new="",
         tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
@@ -112,7 +112,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="rng_not_restored",
         why="resuming trains with a different random stream (dropout) than the uninterrupted run",
-        path="colossal_rl/training/trainer_state.py",
+        path="colossal_rl/run_checkpoints/trainer_state.py",
         old='    torch.set_rng_state(rng["torch"])\n',
         new="",
         tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
@@ -120,7 +120,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="export_moves_trainer_rng",
         why="the HF export at a checkpoint draws from the trainer's RNG, so the resumed run's dropout differs",
-        path="colossal_rl/training/trainer_state.py",
+        path="colossal_rl/run_checkpoints/trainer_state.py",
         old="    with torch.random.fork_rng(devices=[]):\n",
         new="    if True:\n",
         tests=("tests/unit/test_trainer_resume.py::test_resumed_trainer_continues_like_the_uninterrupted_one",),
@@ -128,7 +128,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="sync_checksum_unchecked",
         why="a receiver accepts a sync whose header carries another weight layout's plan checksum",
-        path="colossal_rl/comm/weight_sync.py",
+        path="colossal_rl/comm/weight_sync/bucketed.py",
         old="        if checksum != self.checksum:\n",
         new="        if False:\n",
         tests=(
@@ -337,7 +337,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="checkpoint_hash_checked_for_trainer_files_only",
         why="resume compares sha256 only for trainer/ files: a same-size corrupted HF export, state or buffer loads",
-        path="colossal_rl/run_checkpoint.py",
+        path="colossal_rl/run_checkpoints/on_disk.py",
         old="        if file_digest(file) != sha256:\n",
         new='        if name.startswith("trainer/") and file_digest(file) != sha256:\n',
         tests=(
@@ -350,7 +350,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="checkpoint_digest_of_the_first_chunk_only",
         why="a checkpoint file's sha256 covers only its first 8 MB chunk: damage further into a shard goes unseen",
-        path="colossal_rl/run_checkpoint.py",
+        path="colossal_rl/run_checkpoints/on_disk.py",
         old="        while chunk := handle.read(_HASH_CHUNK):\n",
         new="        if chunk := handle.read(_HASH_CHUNK):\n",
         tests=("tests/unit/test_checkpoint_verification.py::test_a_flipped_byte_past_the_first_hash_chunk_is_caught",),
@@ -358,7 +358,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="shm_checksum_unchecked",
         why="a shared-memory receiver reads a slot stamped with another layout's plan checksum as its own layout",
-        path="colossal_rl/comm/shared_memory_sync.py",
+        path="colossal_rl/comm/weight_sync/shared_memory.py",
         old="                if checksum != self.checksum:\n",
         new="                if False:\n",
         tests=("tests/unit/test_weight_sync_modes.py::test_shm_receiver_refuses_a_version_written_for_another_layout",),
@@ -437,7 +437,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="nccl_stages_received_concurrently",
         why="a producer receives every pipeline stage at once over several NCCL communicators (can deadlock)",
-        path="colossal_rl/comm/weight_sync.py",
+        path="colossal_rl/comm/weight_sync/bucketed.py",
         old='    if any(receiver.group.backend == "nccl" for receiver in receivers):\n',
         new="    if False:\n",
         tests=(

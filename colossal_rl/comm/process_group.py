@@ -19,7 +19,7 @@ Backends. ``Collective`` is the small interface the weight sync is written again
 CUDA tensors and is chosen whenever the weights live on a GPU (``backend_for_device``). For NCCL the
 default weight-sync transport is torch's own ``ProcessGroupNCCL`` over the same standalone
 ``TCPStore``; Ray's cupy NCCL collectives are the opt-in alternative (``ray_nccl_group.py``, chosen
-in ``transports.py``). torch's is the default because it shares everything but those two lines
+in ``weight_sync/transports.py``). torch's is the default because it shares everything but those two lines
 with gloo: the same rendezvous (rank 0's store, ``host:port`` handed out through a Ray call), and
 the same per-operation timeout (every broadcast is an asynchronous ``Work``, which the bucketed sender
 pipelines on: gloo's ``wait(timeout)`` raises instead of hanging; NCCL's ``wait`` only orders CUDA streams,
@@ -30,7 +30,7 @@ default process group as Ray's NCCL groups (it is never registered with ``init_p
 it lives next to ColossalAI's group in a trainer and next to vLLM's own tensor-parallel group in a
 producer. The NCCL branch is written for GPU machines and has not run on the CPU-only CI.
 
-This module holds no model or weight logic (that is ``weight_sync.py``) and imports no Ray.
+This module holds no model or weight logic (that is ``weight_sync/``) and imports no Ray.
 """
 
 from __future__ import annotations

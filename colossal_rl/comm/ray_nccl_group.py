@@ -1,6 +1,6 @@
 """Ray's cupy-based NCCL collective group as a weight-sync ``Collective`` (``--weight-sync-backend ray_nccl``).
 
-The alternative to the torch ``StandaloneGroup`` (``process_group.py``); ``transports.py`` chooses
+The alternative to the torch ``StandaloneGroup`` (``process_group.py``); ``weight_sync/transports.py`` chooses
 between them. Written for GPU machines, not run on a GPU: everything up to the calls into
 ``ray.util.collective`` and the CUDA runtime is unit-tested on CPU with fakes of those two.
 

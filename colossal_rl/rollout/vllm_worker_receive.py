@@ -1,7 +1,7 @@
 """Weight syncs received by vLLM's own workers (``generation.vllm.weight_receive``: ``workers``, auto's choice).
 
 Each tensor-parallel worker of a producer's engine joins every pipeline stage's weight sync itself, as one of the
-producer's consecutive broadcast ranks (``comm/weight_sync_modes.py``: ``ReceiveRoute.members``), or reads the
+producer's consecutive broadcast ranks (``comm/weight_sync/modes.py``: ``ReceiveRoute.members``), or reads the
 shared-memory region or sync files, and loads what it received into its shard. The producer actor only sends the
 control messages (join, "receive version v", leave) through ``LLM.collective_rpc``; no tensor crosses the engine's
 RPC. Measured with ``benchmarks/vllm_producer.py --sync``: the RPC was two thirds of a load when the producer
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from colossal_rl.comm.weight_sync_modes import ReceiveRoute
+from colossal_rl.comm.weight_sync.modes import ReceiveRoute
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def open_worker_receivers(
     messages: Sequence[dict[str, Any]], *, member: int, timeout_s: float, transport: str, device: Any
 ) -> list:
     """This worker's receiver of every pipeline stage (stage order); ``member``: its tensor-parallel rank."""
-    from colossal_rl.comm.weight_sync_modes import open_receivers
+    from colossal_rl.comm.weight_sync.modes import open_receivers
 
     routes = routes_from_messages(messages)
     return open_receivers(routes, timeout_s=timeout_s, transport=transport, device=device, member=member)
@@ -59,7 +59,7 @@ def receive_and_load(
     """Receive sync ``policy_version`` from every stage and load it into ``worker``'s shard; the parameters the
     sync did not reach. A sync of the version already loaded (repeated after a producer restarted) is received, to
     stay in step with the sender, and not loaded again."""
-    from colossal_rl.comm.weight_sync import receive_version
+    from colossal_rl.comm.weight_sync.bucketed import receive_version
     from colossal_rl.rollout.vllm_weights import load_weights_on_worker, to_vllm_weights
 
     if not receivers:

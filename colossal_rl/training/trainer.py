@@ -463,8 +463,8 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: Path) -> None:
         """Collective: every rank writes its state into ``directory/trainer``; the full-weights rank exports ``hf``."""
-        from colossal_rl.run_checkpoint import EXPORT_DIR, TRAINER_DIR
-        from colossal_rl.training.trainer_state import save_trainer_state
+        from colossal_rl.run_checkpoints.on_disk import EXPORT_DIR, TRAINER_DIR
+        from colossal_rl.run_checkpoints.trainer_state import save_trainer_state
 
         directory = Path(directory)
         save_trainer_state(
@@ -481,7 +481,7 @@ class Trainer:
     def export_model(self, directory: Path) -> None:
         """Collective: the rank holding the full weights writes the policy as a Hugging Face model into
         ``directory``."""
-        from colossal_rl.training.trainer_state import export_hf
+        from colossal_rl.run_checkpoints.trainer_state import export_hf
 
         adapters = None
         if self.config.train.lora_rank > 0:
@@ -503,8 +503,8 @@ class Trainer:
         dist.barrier()
 
     def load_checkpoint(self, directory: Path, policy_version: int) -> None:
-        from colossal_rl.run_checkpoint import TRAINER_DIR
-        from colossal_rl.training.trainer_state import load_trainer_state
+        from colossal_rl.run_checkpoints.on_disk import TRAINER_DIR
+        from colossal_rl.run_checkpoints.trainer_state import load_trainer_state
 
         self.step = load_trainer_state(
             self.booster, self.model, self.optimizer, self.lr_scheduler, Path(directory) / TRAINER_DIR, rank=self.rank

@@ -7,7 +7,7 @@ the hybrid plugin runs ZeRO only in low precision). A third process trains the s
 references (DDP plugin with world size 1 in fp32; LowLevelZero with world size 1 in bf16) and is
 the producer end of the weight sync: after each layout, each pipeline stage's sender (``sync_stage``:
 rank 0, and under PP=2 rank 1 too) sends ``Trainer.stage_state_dict()`` over its own group through
-``colossal_rl.comm.weight_sync``, and this process receives all stages and merges them
+``colossal_rl.comm.weight_sync.bucketed``, and this process receives all stages and merges them
 (``receive_stages``), as a producer does. The gathered ``Trainer.full_state_dict()`` (the HF export's
 input, on rank 0) must equal the merged stages.
 
@@ -213,7 +213,8 @@ def _clone(state_dict: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor
 
 def _consumer(rank: int, port: int, sync_ports: list[list[int]], out_dir: Path) -> None:
     _configure_process()
-    from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
+    from colossal_rl.comm.weight_sync.bucketed import host_as_sender
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
     from colossal_rl.training.booster_plugins import launch_colossalai, make_hybrid_plugin
     from colossal_rl.training.trainer import Trainer
 
@@ -250,7 +251,8 @@ def _consumer(rank: int, port: int, sync_ports: list[list[int]], out_dir: Path) 
 def _reference_and_producer(port: int, sync_ports: list[list[int]], out_dir: Path) -> None:
     """Single-process reference runs, then the receiving end of every layout's weight sync."""
     _configure_process()
-    from colossal_rl.comm.weight_sync import join_as_receiver, receive_stages, stage_group_name
+    from colossal_rl.comm.weight_sync.bucketed import join_as_receiver, receive_stages
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
     from colossal_rl.training.booster_plugins import launch_colossalai
     from colossal_rl.training.trainer import Trainer
 

@@ -74,7 +74,8 @@ def _batch(vocab_size: int, pad_token_id: int):
 
 def _consumer(rank: int, port: int, stage_ports: list[int], out_dir: Path) -> None:
     torch.set_num_threads(1)
-    from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
+    from colossal_rl.comm.weight_sync.bucketed import host_as_sender
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
     from colossal_rl.training.booster_plugins import launch_colossalai
     from colossal_rl.training.trainer import Trainer
 
@@ -117,7 +118,8 @@ def _reference(port: int, out_dir: Path) -> None:
 
 def _producer(reference_port: int, stage_ports: list[int], out_dir: Path) -> None:
     torch.set_num_threads(1)
-    from colossal_rl.comm.weight_sync import join_as_receiver, receive_stages, stage_group_name
+    from colossal_rl.comm.weight_sync.bucketed import join_as_receiver, receive_stages
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
 
     _reference(reference_port, out_dir)  # the senders wait for the receivers meanwhile
     receivers = [
@@ -154,7 +156,7 @@ def results(tmp_path_factory) -> dict:
 def test_tp2_pp2_stage_senders_sync_the_full_model(results):
     from transformers import AutoConfig
 
-    from colossal_rl.comm.weight_sync import stage_senders
+    from colossal_rl.comm.weight_sync.stages import stage_senders
     from colossal_rl.config import EMBEDDED_MODEL_DIR
 
     reports, received = results["reports"], results["received"]

@@ -2,7 +2,7 @@
 
 ZeRO-1 on two trainers: two steps with a checkpoint per step, then a run resumed from the first checkpoint trains
 step 2 again and must train it exactly as the uninterrupted run did. DDP on one trainer, with the weights going
-through the ``checkpoint`` weight-sync mode: trains, and the export holds merged weights and the adapter alone.
+through the ``files`` weight-sync mode: trains, and the export holds merged weights and the adapter alone.
 Both assert the weight sync moved only adapters, at most 5 % of the full model's bytes.
 """
 
@@ -60,11 +60,11 @@ def test_lora_zero1_trains_and_resumes_exactly(tmp_path: Path):
     assert {k: again[k] for k in COMPARED} == {k: uninterrupted[k] for k in COMPARED}
 
 
-def test_lora_ddp_through_checkpoint_sync_exports_merged_weights_and_the_adapter(tmp_path: Path):
+def test_lora_ddp_through_files_sync_exports_merged_weights_and_the_adapter(tmp_path: Path):
     from peft import PeftConfig
     from transformers import AutoModelForCausalLM
 
-    result = run(tmp_path, 2, "--weight-sync-mode", "checkpoint")
+    result = run(tmp_path, 2, "--weight-sync-mode", "files")
     assert result.returncode == 0, result.stderr[-3000:]
     assert synced_fraction(result.stderr) <= 0.05
     (run_dir,) = list(tmp_path.iterdir())

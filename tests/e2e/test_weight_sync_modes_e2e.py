@@ -1,10 +1,10 @@
 """``--weight-sync-mode`` end to end through ``rl_example.py`` on the embedded model: a run in ``shm`` mode trains
-two steps with a checkpoint per step, then a second run resumes from it (``-cp``) in ``checkpoint`` mode and trains
+two steps with a checkpoint per step, then a second run resumes from it (``-cp``) in ``files`` mode and trains
 a third — so both non-default modes sync for real (at start-up and after every step), and a run may change its
 mode on resume (the checkpoint holds no sync state). ``broadcast``, the default, is what every other e2e run
 uses (the kill-9 resume in ``test_lifecycle_e2e.py`` included).
 
-Kept cheap: two launches. The shm run must leave nothing behind in ``/dev/shm``; the checkpoint-mode run must
+Kept cheap: two launches. The shm run must leave nothing behind in ``/dev/shm``; the files-mode run must
 leave no sync files behind in ``<run dir>/weight_sync``.
 """
 
@@ -37,7 +37,7 @@ def shm_regions() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("colossal_rl-*")} if Path("/dev/shm").is_dir() else set()
 
 
-def test_an_shm_run_trains_and_resumes_in_checkpoint_mode(tmp_path: Path):
+def test_an_shm_run_trains_and_resumes_in_files_mode(tmp_path: Path):
     before = shm_regions()
     first = run(tmp_path / "first", "shm", 2)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -46,7 +46,7 @@ def test_an_shm_run_trains_and_resumes_in_checkpoint_mode(tmp_path: Path):
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
     assert shm_regions() <= before
 
-    resumed = run(tmp_path / "resumed", "checkpoint", 3, "-cp", str(run_dir))
+    resumed = run(tmp_path / "resumed", "files", 3, "-cp", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
     (resumed_dir,) = list((tmp_path / "resumed").iterdir())

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import RLConfig
+from colossal_rl.run_checkpoints import on_disk as ckpt
 from colossal_rl.run_outputs import FAILED_MARKER, write_failed_marker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rl_example.py is a script at the repo root

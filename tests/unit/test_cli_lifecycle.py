@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.comm.buffer import BufferSnapshot
+from colossal_rl.run_checkpoints import on_disk as ckpt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import RLConfig, ScheduleConfig
+from colossal_rl.run_checkpoints import on_disk as ckpt
 from colossal_rl.run_outputs import OutputDirError, prepare_eval_dir, write_eval_generations
 
 

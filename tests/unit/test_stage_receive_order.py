@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colossal_rl.comm.weight_sync import receive_stages
+from colossal_rl.comm.weight_sync.bucketed import receive_stages
 
 
 class RecordingReceiver:

@@ -14,7 +14,7 @@ import torch
 from colossal_rl.config import EMBEDDED_MODEL_DIR, ModelConfig, RLConfig
 from colossal_rl.config_resolve import resolve
 from colossal_rl.rollout.producer import Producer
-from colossal_rl.training.trainer_state import export_hf
+from colossal_rl.run_checkpoints.trainer_state import export_hf
 
 CONFIGURATION = """from transformers import Qwen2Config
 

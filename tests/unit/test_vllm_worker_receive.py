@@ -13,8 +13,9 @@ import torch
 from process_members import run_members
 
 from colossal_rl.comm.process_group import find_free_port
-from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
-from colossal_rl.comm.weight_sync_modes import plan_routes
+from colossal_rl.comm.weight_sync.bucketed import host_as_sender
+from colossal_rl.comm.weight_sync.modes import plan_routes
+from colossal_rl.comm.weight_sync.stages import stage_group_name
 from colossal_rl.config import ConfigError, GenerationConfig, RLConfig, RunConfig, TrainConfig, VllmEngineConfig
 from colossal_rl.rollout.vllm_worker import WeightLoaderExtension
 from colossal_rl.rollout.vllm_worker_receive import routes_from_messages, routes_to_messages

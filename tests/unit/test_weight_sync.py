@@ -8,7 +8,7 @@ import torch
 from process_members import run_members
 
 from colossal_rl.comm.process_group import create_standalone_group, find_free_port
-from colossal_rl.comm.weight_sync import (
+from colossal_rl.comm.weight_sync.bucketed import (
     ALIGNMENT_BYTES,
     HEADER_BYTES,
     WeightLayout,
@@ -20,10 +20,9 @@ from colossal_rl.comm.weight_sync import (
     plan_buckets,
     plan_checksum,
     receive_stages,
-    stage_group_name,
-    stage_senders,
     unpack_bucket,
 )
+from colossal_rl.comm.weight_sync.stages import stage_group_name, stage_senders
 
 
 def mixed_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""``--weight-sync-mode``: who reads what (``weight_sync_modes``), shared memory (no torn reads), sync files."""
+"""``--weight-sync-mode``: who reads what (``comm/weight_sync/modes.py``), shared memory (no torn reads), sync files."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from colossal_rl.comm.file_sync import FileReceiver, FileSender, sync_file_name, sync_files
-from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver, SharedMemorySender, region_paths
-from colossal_rl.comm.weight_sync import WeightLayout
-from colossal_rl.comm.weight_sync_modes import (
+from colossal_rl.comm.weight_sync.bucketed import WeightLayout
+from colossal_rl.comm.weight_sync.files import FileReceiver, FileSender, sync_file_name, sync_files
+from colossal_rl.comm.weight_sync.modes import (
     FanOutSender,
     ReceiveRoute,
     SendRoute,
@@ -24,6 +23,7 @@ from colossal_rl.comm.weight_sync_modes import (
     region_name,
     shm_readers,
 )
+from colossal_rl.comm.weight_sync.shared_memory import SharedMemoryReceiver, SharedMemorySender, region_paths
 
 
 def state_dict(fill: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -74,7 +74,7 @@ def test_shm_plan_with_every_producer_on_host_forms_no_group():
     assert all(routes[0].kind == "shm" for routes in receives)
 
 
-def test_broadcast_plan_is_todays_group_and_checkpoint_plan_has_none():
+def test_broadcast_plan_is_todays_group_and_files_plan_has_none():
     addresses = [("h", 1), ("h", 2)]
     sends, receives = plan_routes(
         "broadcast", sender_nodes=["a", "b"], producer_nodes=["a", "c"], addresses=addresses, run_dir="/r", formation=1
@@ -85,13 +85,13 @@ def test_broadcast_plan_is_todays_group_and_checkpoint_plan_has_none():
         [(0, 2, ("h", 1)), (1, 2, ("h", 2))],
     ]
     sends, receives = plan_routes(
-        "checkpoint", sender_nodes=["a", "b"], producer_nodes=["a", "c"], addresses=addresses, run_dir="/r", formation=2
+        "files", sender_nodes=["a", "b"], producer_nodes=["a", "c"], addresses=addresses, run_dir="/r", formation=2
     )
-    assert [(s.broadcast_world_size, s.checkpoint_dir, s.file_prefix) for s in sends] == [
+    assert [(s.broadcast_world_size, s.files_dir, s.file_prefix) for s in sends] == [
         (1, "/r/weight_sync", "f2-stage0"),
         (1, "/r/weight_sync", "f2-stage1"),
     ]
-    assert all(r.kind == "checkpoint" for routes in receives for r in routes)
+    assert all(r.kind == "files" for routes in receives for r in routes)
 
 
 def test_region_names_differ_per_run_formation_and_stage():
@@ -253,13 +253,13 @@ def test_file_receiver_times_out_naming_the_files(tmp_path: Path):
 
 def test_file_write_is_atomic_a_reader_never_sees_a_partial_file(tmp_path: Path, monkeypatch):
     """The file appears under its name only once whole: a crash while writing leaves no file and no temp."""
-    import colossal_rl.comm.file_sync as file_sync
+    import colossal_rl.comm.weight_sync.files as files
 
     def crash(tensors, path, metadata):
         Path(path).write_bytes(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(file_sync, "save_file", crash)
+    monkeypatch.setattr(files, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         FileSender(tmp_path, "f1-stage0").send(state_dict(1.0), 1)
     assert list(tmp_path.iterdir()) == []
@@ -281,14 +281,14 @@ def test_fan_out_sender_feeds_shm_and_files_through_open_sender_and_open_receive
         device="cpu",
     )  # fmt: skip
     files = open_sender(
-        SendRoute(0, 1, None, checkpoint_dir=str(tmp_path / "ws"), file_prefix="f1-stage0"),
+        SendRoute(0, 1, None, files_dir=str(tmp_path / "ws"), file_prefix="f1-stage0"),
         state_dict(0.0), timeout_s=5, transport="torch", group_name="g", device="cpu",
     )  # fmt: skip
     sender = FanOutSender([shm, files])
     receivers = [
         open_receiver(ReceiveRoute("shm", 0, location=region), timeout_s=5, transport="torch", group_name="g",
                       device="cpu"),
-        open_receiver(ReceiveRoute("checkpoint", 0, location=str(tmp_path / "ws"), file_prefix="f1-stage0"),
+        open_receiver(ReceiveRoute("files", 0, location=str(tmp_path / "ws"), file_prefix="f1-stage0"),
                       timeout_s=5, transport="torch", group_name="g", device="cpu"),
     ]  # fmt: skip
     sender.send(state_dict(5.0), 5)
@@ -302,9 +302,9 @@ def test_fan_out_sender_feeds_shm_and_files_through_open_sender_and_open_receive
 
 
 def test_shm_copy_in_pieces_over_threads_matches_a_single_copy(region: str, monkeypatch):
-    import colossal_rl.comm.shared_memory_sync as shared_memory_sync
+    import colossal_rl.comm.weight_sync.shared_memory as shared_memory
 
-    monkeypatch.setattr(shared_memory_sync, "COPY_PIECE_BYTES", 1000)  # many pieces per tensor
+    monkeypatch.setattr(shared_memory, "COPY_PIECE_BYTES", 1000)  # many pieces per tensor
     generator = torch.Generator().manual_seed(0)
     state = {name: torch.rand(t.shape, generator=generator).to(t.dtype) for name, t in state_dict(0.0).items()}
     state["strided"] = torch.rand(40, 30, generator=generator).t()  # not contiguous: copied whole
@@ -363,7 +363,7 @@ def test_shm_plan_end_to_end_one_producer_on_host_one_off_host_over_a_real_gloo_
 
 
 def test_leftover_regions_of_this_run_are_removed_and_others_kept(tmp_path: Path):
-    from colossal_rl.comm.weight_sync_modes import region_name, remove_leftover_regions
+    from colossal_rl.comm.weight_sync.modes import region_name, remove_leftover_regions
 
     ours = [Path(region_name(tmp_path / "run", formation, 0, shm_root=tmp_path)) for formation in (0, 1)]
     theirs = Path(region_name(tmp_path / "other_run", 0, 0, shm_root=tmp_path))
@@ -391,7 +391,7 @@ def test_a_producer_with_several_receiving_processes_holds_consecutive_broadcast
         ("shm", 0, 2), ("broadcast", 1, 2), ("shm", 0, 2), ("broadcast", 3, 2),
     ]  # fmt: skip
     _, receives = plan_routes(
-        "checkpoint", sender_nodes=["a"], producer_nodes=["a"], addresses=[("h", 1)], run_dir="/r", formation=1,
+        "files", sender_nodes=["a"], producer_nodes=["a"], addresses=[("h", 1)], run_dir="/r", formation=1,
         receivers_per_producer=[4],
     )  # fmt: skip
     assert receives[0][0].members == 4

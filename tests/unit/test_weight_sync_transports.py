@@ -17,13 +17,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from colossal_rl.comm import ray_nccl_group
 from colossal_rl.comm.process_group import StandaloneGroup, find_free_port
 from colossal_rl.comm.ray_nccl_group import RayNcclGroup
-from colossal_rl.comm.transports import (
+from colossal_rl.comm.weight_sync.bucketed import host_as_sender, join_as_receiver
+from colossal_rl.comm.weight_sync.transports import (
     WEIGHT_SYNC_TRANSPORTS,
     check_transport_for_cluster,
     create_group,
     transport_backend,
 )
-from colossal_rl.comm.weight_sync import host_as_sender, join_as_receiver
 from colossal_rl.config import ConfigError, RunConfig, WeightSyncBackend
 from colossal_rl.placement import PlacementError
 from rl_example import UsageError, build_parser, config_from_args

@@ -52,8 +52,9 @@ def receive_in_workers(backend, weights, tensor_parallel_size: int) -> None:
     import threading
 
     from colossal_rl.comm.process_group import find_free_port
-    from colossal_rl.comm.weight_sync import host_as_sender, stage_group_name
-    from colossal_rl.comm.weight_sync_modes import plan_routes
+    from colossal_rl.comm.weight_sync.bucketed import host_as_sender
+    from colossal_rl.comm.weight_sync.modes import plan_routes
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
 
     port = find_free_port()
     _, routes = plan_routes("broadcast", sender_nodes=["here"], producer_nodes=["here"],

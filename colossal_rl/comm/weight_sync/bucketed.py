@@ -17,7 +17,7 @@ copying it; receivers receive straight into buffers allocated once, and return `
 views into them.
 
 With pipeline parallelism each stage's sender sends its own keys over its own group
-(``stage_group_name``); producers hold one receiver per stage and ``receive_stages`` receives all
+(``stages.stage_group_name``); producers hold one receiver per stage and ``receive_stages`` receives all
 parts (at once over gloo, one stage after the other over NCCL) and merges them. Nothing here knows about models or Ray.
 
 Every line is shared by the CPU and the GPU path and by both transports: the group is any
@@ -38,8 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from colossal_rl.comm.process_group import Collective, PendingCollective, device_for_backend
-from colossal_rl.comm.sync_stages import stage_group_name, stage_senders  # noqa: F401  (re-exported)
-from colossal_rl.comm.transports import create_group
+from colossal_rl.comm.weight_sync.transports import create_group
 
 logger = logging.getLogger(__name__)
 

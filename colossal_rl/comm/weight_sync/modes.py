@@ -2,9 +2,9 @@
 
 ``plan_routes`` is pure: given the mode, where the senders and producers run and the broadcast addresses, it
 says per stage what the sender sets up (``SendRoute``) and per producer and stage how it receives
-(``ReceiveRoute``). ``broadcast``: every producer joins the stage's group (``weight_sync.py``). ``shm``:
-producers on the sender's node read ``shared_memory_sync.py``'s region; the others join a broadcast group of
-just them (ranks renumbered 1..n). ``checkpoint``: every producer loads ``file_sync.py``'s files.
+(``ReceiveRoute``). ``broadcast``: every producer joins the stage's group (``bucketed.py``). ``shm``:
+producers on the sender's node read ``shared_memory.py``'s region; the others join a broadcast group of
+just them (ranks renumbered 1..n). ``files``: every producer loads ``files.py``'s files.
 A producer may receive in several processes (a vLLM engine's tensor-parallel workers, each joining the sync
 itself): it then holds that many consecutive broadcast ranks, and each of its processes opens the route as one
 ``member``.
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-WEIGHT_SYNC_DIR = "weight_sync"  # inside the run directory, for the checkpoint mode
-RouteKind = Literal["broadcast", "shm", "checkpoint"]
+WEIGHT_SYNC_DIR = "weight_sync"  # inside the run directory, for the files mode
+RouteKind = Literal["broadcast", "shm", "files"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class SendRoute:
     broadcast_world_size: int  # 1 + producers receiving by broadcast; 1: no group is formed
     address: tuple[str, int] | None
     shm_region: str | None = None
-    checkpoint_dir: str | None = None
+    files_dir: str | None = None
     file_prefix: str = ""
 
 
@@ -52,7 +52,7 @@ class ReceiveRoute:
     rank: int = 0  # in the broadcast group: the first of this producer's ranks
     world_size: int = 1
     address: tuple[str, int] | None = None
-    location: str = ""  # shm region, or checkpoint directory
+    location: str = ""  # shm region, or the sync files' directory
     file_prefix: str = ""
     members: int = 1  # this producer's receiving processes (vLLM's tensor-parallel workers): ranks rank, rank+1..
 
@@ -106,11 +106,11 @@ def plan_routes(
     sends: list[SendRoute] = []
     receives: list[list[ReceiveRoute]] = [[] for _ in producer_nodes]
     for stage, (sender_node, address) in enumerate(zip(sender_nodes, addresses, strict=True)):
-        if mode == "checkpoint":
+        if mode == "files":
             directory, prefix = str(Path(run_dir) / WEIGHT_SYNC_DIR), f"f{formation}-stage{stage}"
-            sends.append(SendRoute(stage, 1, None, checkpoint_dir=directory, file_prefix=prefix))
+            sends.append(SendRoute(stage, 1, None, files_dir=directory, file_prefix=prefix))
             for routes, n in zip(receives, members, strict=True):
-                routes.append(ReceiveRoute("checkpoint", stage, location=directory, file_prefix=prefix, members=n))
+                routes.append(ReceiveRoute("files", stage, location=directory, file_prefix=prefix, members=n))
             continue
         local = shm_readers(sender_node, producer_nodes) if mode == "shm" else [False] * len(producer_nodes)
         world = 1 + sum(n for n, on_host in zip(members, local, strict=True) if not on_host)
@@ -153,12 +153,12 @@ def open_sender(
     device: torch.device | str,
 ):
     """The sender ``route`` asks for (collective for the broadcast part: every broadcast receiver joins)."""
-    from colossal_rl.comm.file_sync import FileSender
-    from colossal_rl.comm.shared_memory_sync import host_shared_memory
-    from colossal_rl.comm.weight_sync import host_as_sender
+    from colossal_rl.comm.weight_sync.bucketed import host_as_sender
+    from colossal_rl.comm.weight_sync.files import FileSender
+    from colossal_rl.comm.weight_sync.shared_memory import host_shared_memory
 
-    if route.checkpoint_dir is not None:
-        return FileSender(route.checkpoint_dir, route.file_prefix)
+    if route.files_dir is not None:
+        return FileSender(route.files_dir, route.file_prefix)
     senders = []
     if route.shm_region is not None:
         senders.append(host_shared_memory(route.shm_region, state_dict, timeout_s))
@@ -184,7 +184,7 @@ def open_receivers(
     routes: Sequence[ReceiveRoute], *, timeout_s: float, transport: str, device, member: int = 0
 ) -> list:
     """One receiver per pipeline stage's route (stage order), each on its stage's group; ``member`` as below."""
-    from colossal_rl.comm.sync_stages import stage_group_name
+    from colossal_rl.comm.weight_sync.stages import stage_group_name
 
     return [
         open_receiver(
@@ -203,11 +203,11 @@ def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, grou
     """The receiver ``route`` asks for; ``member``: which of the producer's receiving processes this is."""
     if not 0 <= member < route.members:
         raise ValueError(f"member {member} of a route with {route.members} receiving processes")
-    from colossal_rl.comm.file_sync import FileReceiver
-    from colossal_rl.comm.shared_memory_sync import SharedMemoryReceiver
-    from colossal_rl.comm.weight_sync import join_as_receiver
+    from colossal_rl.comm.weight_sync.bucketed import join_as_receiver
+    from colossal_rl.comm.weight_sync.files import FileReceiver
+    from colossal_rl.comm.weight_sync.shared_memory import SharedMemoryReceiver
 
-    if route.kind == "checkpoint":
+    if route.kind == "files":
         return FileReceiver(route.location, route.file_prefix, timeout_s)
     if route.kind == "shm":
         return SharedMemoryReceiver(route.location, timeout_s)

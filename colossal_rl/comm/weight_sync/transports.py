@@ -1,8 +1,8 @@
 """Which collective group carries the weight sync: the registry behind ``--weight-sync-backend``.
 
-- ``torch`` (the default): a ``StandaloneGroup`` (``process_group.py``) — torch's ``ProcessGroupGloo``
+- ``torch`` (the default): a ``StandaloneGroup`` (``comm/process_group.py``) — torch's ``ProcessGroupGloo``
   for weights on the CPU, ``ProcessGroupNCCL`` for weights on a GPU — over its own ``TCPStore``.
-- ``ray_nccl``: a ``RayNcclGroup`` (``ray_nccl_group.py``) — Ray's cupy-based NCCL collective group,
+- ``ray_nccl``: a ``RayNcclGroup`` (``comm/ray_nccl_group.py``) — Ray's cupy-based NCCL collective group,
   the "cupy NCCL group" of the design card and ColossalChat's transport; CUDA tensors only.
 
 Neither joins torch.distributed's default process group, so either lives beside ColossalAI's group
@@ -10,7 +10,7 @@ in a trainer. ``torch`` is the default because one code path serves CPU and GPU 
 differ in one constructor call), its timeouts are torch's own (``Work.wait(timeout)``, NCCL's
 watchdog) where Ray's NCCL collectives have none and need a worker thread and event polling, its
 rendezvous is a ``TCPStore`` that dies with the run where Ray's leaves detached named actors, and
-it needs no cupy. ``weight_sync.py`` is one implementation over any ``Collective`` these return.
+it needs no cupy. ``bucketed.py`` is one implementation over any ``Collective`` these return.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Weight sync through a double-buffered shared-memory region (``--weight-sync-mode shm``), one host only.
 
 The sender owns one file under ``/dev/shm`` per pipeline stage: two slots, each laid out like the broadcast's
-single bucket (``weight_sync.plan_buckets`` with no size limit): a 16-byte stamp ``[version, plan checksum]``
+single bucket (``bucketed.plan_buckets`` with no size limit): a 16-byte stamp ``[version, plan checksum]``
 then every tensor, aligned. Beside it, ``<region>.layout.json`` (the ``WeightLayout``, written atomically) and
 one lock file per slot.
 
@@ -12,7 +12,7 @@ writes the other slot, then waits for the readers to move on). A reader therefor
 whole, never a torn mix. Every wait is bounded by ``timeout_s`` and its error names the region.
 
 Nothing here forms a collective or knows about Ray; producers on other hosts use the broadcast
-(``weight_sync_modes.py`` decides who reads what).
+(``modes.py`` decides who reads what).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from colossal_rl.comm.weight_sync import (
+from colossal_rl.comm.weight_sync.bucketed import (
     ALIGNMENT_BYTES,
     HEADER_BYTES,
     Bucket,

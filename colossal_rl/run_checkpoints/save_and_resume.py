@@ -1,6 +1,6 @@
 """Saving a whole run from the driver, and putting it back: trainer shards, the buffer, rollouts in flight.
 
-The on-disk layout and atomic commit are :mod:`colossal_rl.run_checkpoint`'s; this module gathers what
+The on-disk layout and atomic commit are :mod:`colossal_rl.run_checkpoints.on_disk`'s; this module gathers what
 goes in (every trainer rank writes its shards, the buffer's snapshot, the rollouts already asked for) and
 hands it back on resume. The driver's counters travel as one :class:`RunProgress`.
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import ray
 
-from colossal_rl import run_checkpoint as ckpt
 from colossal_rl.actor_groups import ActorId, Call, Calls, ProducerGroup, TrainerGroup, gather
 from colossal_rl.config import ConfigError, RLConfig
-from colossal_rl.run_checkpoint import RunProgress
+from colossal_rl.run_checkpoints import on_disk as ckpt
+from colossal_rl.run_checkpoints.on_disk import RunProgress
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Weight sync through safetensors files (``--weight-sync-mode checkpoint``): no collective at all.
+"""Weight sync through safetensors files (``--weight-sync-mode files``): no collective at all.
 
 The sender writes each sync as ``<prefix>-v<version>.safetensors`` in a directory (the driver's
 ``<run dir>/weight_sync``, one prefix per pipeline stage and formation of the sync), atomically: a temporary

@@ -1,0 +1,93 @@
+"""``--weight-sync-mode files`` and its old name ``checkpoint``: the old name still works from Python, the flag and a
+``--config`` file (an old run's ``config.yaml``, so that run still resumes), renamed to ``files`` with one warning;
+any other value is refused naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from colossal_rl.comm.buffer import BufferSnapshot
+from colossal_rl.config import ConfigError, RLConfig, RunConfig
+from colossal_rl.config_files import config_to_yaml, load_config_file
+from colossal_rl.config_resolve import resolve
+from colossal_rl.run_checkpoints import on_disk as ckpt
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
+
+from rl_example import UsageError, build_parser, config_from_args, parse_args  # noqa: E402
+
+
+def deprecation_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "deprecated" in r.getMessage()]
+
+
+def test_the_old_name_becomes_files_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="colossal_rl.config"):
+        config = RLConfig(run=RunConfig(weight_sync_mode="checkpoint")).validate()  # type: ignore[arg-type]
+        again = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=3))
+    assert config.run.weight_sync_mode == again.run.weight_sync_mode == "files"
+    assert deprecation_warnings(caplog) == [
+        "run.weight_sync_mode: 'checkpoint' is deprecated, use 'files' (the same setting, renamed)"
+    ]
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "shm", "files"])
+def test_current_names_pass_unchanged_and_silently(mode, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert RLConfig(run=RunConfig(weight_sync_mode=mode)).validate().run.weight_sync_mode == mode
+        assert config_from_args(build_parser().parse_args(["--weight-sync-mode", mode])).run.weight_sync_mode == mode
+    assert deprecation_warnings(caplog) == []
+
+
+def test_the_flag_takes_the_old_name_with_one_warning_and_offers_only_the_new(caplog):
+    with caplog.at_level(logging.WARNING):
+        config = config_from_args(parse_args(["--weight-sync-mode", "checkpoint"]))
+    assert config.run.weight_sync_mode == "files" and len(deprecation_warnings(caplog)) == 1
+    assert "{broadcast,shm,files}" in build_parser().format_help()
+
+
+def test_an_old_runs_config_file_still_resumes_with_files(tmp_path, caplog):
+    """An old run directory: its ``config.yaml`` and its checkpoint's ``state.json`` both say ``checkpoint``."""
+    from colossal_rl.run_checkpoints.save_and_resume import checkpoint_to_resume, config_as_json
+
+    saved = resolve(RLConfig())  # what a run writes: the resolved config
+    old = config_as_json(saved)
+    old["run"]["weight_sync_mode"] = "checkpoint"
+    config_yaml = tmp_path / "config.yaml"
+    config_yaml.write_text(config_to_yaml(saved).replace("weight_sync_mode: broadcast", "weight_sync_mode: checkpoint"))
+    staging = ckpt.staging_dir(tmp_path / "checkpoints", 2)
+    (staging / "trainer").mkdir()
+    state = ckpt.RunState(progress=ckpt.RunProgress(step=2), run_dir=str(tmp_path), config=old)
+    empty = BufferSnapshot(payloads=[], rounds={}, pool=[], last_dealt_round=1, dropped_stale_groups=0)
+    checkpoint = ckpt.commit(staging, state, empty)
+
+    with caplog.at_level(logging.WARNING):
+        config = config_from_args(parse_args(["--config", str(config_yaml), "-cp", str(tmp_path)]))
+    assert config.run.weight_sync_mode == "files" and len(deprecation_warnings(caplog)) == 1
+    assert checkpoint_to_resume(config)[0] == checkpoint
+    assert load_config_file(config_yaml).run.weight_sync_mode == "files"
+
+
+def test_a_wrong_mode_is_refused_naming_the_field(tmp_path, capsys):
+    with pytest.raises(ConfigError) as caught:
+        RunConfig(weight_sync_mode="disk").validate()  # type: ignore[arg-type]
+    assert caught.value.field_path == "run.weight_sync_mode"
+    assert str(caught.value) == "run.weight_sync_mode: must be broadcast, shm or files, got 'disk'"
+
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  weight_sync_mode: disk\n")
+    with pytest.raises(UsageError) as caught_file:
+        config_from_args(parse_args(["--config", str(path)]))
+    assert "run.weight_sync_mode / --weight-sync-mode: must be one of broadcast, shm, files, got 'disk'" in str(
+        caught_file.value
+    )
+
+    with pytest.raises(SystemExit):
+        parse_args(["--weight-sync-mode", "disk"])
+    assert "--weight-sync-mode: invalid choice: 'disk'" in capsys.readouterr().err
