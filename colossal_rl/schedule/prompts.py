@@ -1,0 +1,93 @@
+"""The order prompts are handed out in: each episode's rows in its epoch order, rows given back first.
+
+A row is handed out at most once per episode: from the episode's order (a cursor that only moves forward), or
+again only after it was given back (``requeue``: a chunk in flight at a checkpoint, whose groups were never
+received). Pure bookkeeping; which rows an episode holds and in what order is the caller's ``epoch_rows``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+
+EpochRows = Callable[[int], Sequence[int]]
+"""Episode index -> that episode's dataset rows in the order they are handed out (each row at most once)."""
+
+
+def shuffled_rows(num_rows: int, seed: int) -> EpochRows:
+    """Every row once per episode, in a seeded shuffle per episode (``random``, no torch: the driver's)."""
+    if num_rows < 1:
+        raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+
+    def rows(episode: int) -> list[int]:
+        order = list(range(num_rows))
+        random.Random(seed * 1_000_003 + episode).shuffle(order)
+        return order
+
+    return rows
+
+
+class EpochOrder:
+    """Hands out prompt rows, one episode at a time, and takes back rows whose groups were lost."""
+
+    def __init__(self, epoch_rows: EpochRows, num_episodes: int | None = None):
+        self._epoch_rows = epoch_rows
+        self.num_episodes = num_episodes
+        """None: episodes without end (the schedule's step count ends the run)."""
+        self.episode = 0
+        self.cursor = 0
+        """Rows of ``episode``'s order handed out so far."""
+        self._order: list[int] | None = None
+        self._requeued: deque[tuple[int, int]] = deque()  # (episode, row), handed out before the cursor's
+
+    def _episode_order(self) -> list[int]:
+        if self._order is None:
+            order = [int(row) for row in self._epoch_rows(self.episode)]
+            if len(set(order)) != len(order):
+                raise ValueError(f"episode {self.episode}'s order names a row twice")
+            if not order:
+                raise ValueError(f"episode {self.episode}'s order is empty")
+            self._order = order
+        return self._order
+
+    def _advance_episode(self) -> bool:
+        """Move the cursor to the next episode's start when the current one is used up; False: no episode left."""
+        while self.cursor >= len(self._episode_order()):
+            if self.num_episodes is not None and self.episode + 1 >= self.num_episodes:
+                return False
+            self.episode, self.cursor, self._order = self.episode + 1, 0, None
+        return True
+
+    def exhausted(self) -> bool:
+        return not self._requeued and not self._advance_episode()
+
+    def take(self, max_rows: int) -> tuple[int, list[int]]:
+        """(episode, up to ``max_rows`` rows of it): given-back rows first, else the order's next ones; no chunk
+        mixes episodes, so a row appears at most once in it. ([] when every episode is used up.)"""
+        if self._requeued:
+            episode = self._requeued[0][0]
+            rows: list[int] = []
+            while self._requeued and self._requeued[0][0] == episode and len(rows) < max_rows:
+                rows.append(self._requeued.popleft()[1])
+            return episode, rows
+        if not self._advance_episode():
+            return self.episode, []
+        order = self._episode_order()
+        rows = order[self.cursor : self.cursor + max_rows]
+        self.cursor += len(rows)
+        return self.episode, rows
+
+    def requeue(self, episode: int, rows: Sequence[int]) -> None:
+        """Give back rows handed out earlier and never trained: they are handed out next."""
+        self._requeued.extend((episode, int(row)) for row in rows)
+
+    def requeued(self) -> list[tuple[int, int]]:
+        return list(self._requeued)
+
+    def snapshot(self) -> dict:
+        return {"episode": self.episode, "cursor": self.cursor, "requeued": [list(p) for p in self._requeued]}
+
+    def restore(self, state: dict) -> None:
+        self.episode, self.cursor, self._order = int(state["episode"]), int(state["cursor"]), None
+        self._requeued = deque((int(episode), int(row)) for episode, row in state["requeued"])
