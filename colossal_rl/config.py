@@ -35,6 +35,7 @@ LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardType = Literal["boxed", "think_answer_tags", "code"]
 LrSchedule = Literal["constant", "cosine"]
+ScheduleMode = Literal["rounds", "stream"]
 LR_SCHEDULE_NAMES: tuple[str, ...] = ("constant", "cosine")
 """The names of ``training.lr_schedule.LR_SCHEDULES`` (kept here so the config imports no torch; a test checks)."""
 Backend = Literal["transformers", "vllm"]
@@ -484,6 +485,21 @@ class ScheduleConfig:
     max_steps: int | None = None
     """Stop after the round in which this many optimizer steps are reached: a round's steps are trained
     together, so the run takes the next multiple of ``optimizer_steps_per_round`` (None: run all episodes)."""
+    mode: ScheduleMode = "rounds"
+    """``rounds``: every producer generates a round, the trainers train it whole, then one weight sync.
+    ``stream``: producers generate chunks of ``generation.microbatch_size`` prompts back to back and every
+    optimizer step trains as soon as enough groups are scored (``colossal_rl/schedule/streaming.py``)."""
+    max_staleness: int = 1
+    """Stream mode: a group is trained only while the trainers' version minus its generation's is at most this
+    (versions count optimizer steps there); staler groups are dropped."""
+    sync_every_steps: int = 1
+    """Stream mode: weights are synced to the producers after every this many optimizer steps."""
+
+    @property
+    def policy_lag(self) -> int:
+        """The most versions a trained group's generation may lag the trainers: ``n_behind`` (rounds) or
+        ``max_staleness`` (stream)."""
+        return self.max_staleness if self.mode == "stream" else self.n_behind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -656,6 +672,7 @@ class RLConfig:
         self.reward.validate()
         self.data.validate()
         self._validate_batch_arithmetic()
+        self._validate_stream()
         _require_low_precision_for_flash_attention(self)
         _require(
             self.train.lora_rank == 0 or (self.parallel.tp_size == 1 and self.parallel.pp_size == 1),
@@ -686,6 +703,8 @@ class RLConfig:
         _require(sched.num_episodes >= 1, "schedule.num_episodes", "must be >= 1")
         _require(sched.n_behind >= 0, "schedule.n_behind", "must be >= 0")
         _require(sched.max_steps is None or sched.max_steps >= 1, "schedule.max_steps", "must be >= 1")
+        _require(sched.max_staleness >= 0, "schedule.max_staleness", "must be >= 0")
+        _require(sched.sync_every_steps >= 1, "schedule.sync_every_steps", "must be >= 1")
         _require(train.batch_size >= 1, "train.batch_size", "must be >= 1")
         _require(train.minibatch_size >= 1, "train.minibatch_size", "must be >= 1")
         _require(train.microbatch_size >= 1, "train.microbatch_size", "must be >= 1")
@@ -737,6 +756,28 @@ class RLConfig:
             f"{global_prompts} must be divisible by dp_size*train_batch_size = {par.dp_size}*{train.batch_size} "
             f"= {per_step}",
         )
+
+    def _validate_stream(self) -> None:
+        """What ``--schedule stream`` runs with (``colossal_rl/stream_loop.py``); the rest fails here, naming it."""
+        sched = self.schedule
+        _require(sched.mode in ("rounds", "stream"), "schedule.mode", f"must be rounds or stream, got {sched.mode!r}")
+        if sched.mode != "stream":
+            return
+        _require(
+            sched.max_staleness >= sched.sync_every_steps - 1,
+            "schedule.max_staleness",
+            f"must be >= sync_every_steps - 1 = {sched.sync_every_steps - 1} in stream mode, got "
+            f"{sched.max_staleness}: groups generated between syncs every that many steps are that stale",
+        )
+        unsupported = (
+            (self.parallel.pp_size > 1, "pipeline parallelism yet: use -pp 1"),
+            (self.train.ppo_epochs > 1, "several passes over a step's samples: use --ppo-epochs 1"),
+            (self.run.save_interval > 0, "checkpoints yet: use -si 0"),
+            (self.run.checkpoint_path is not None, "resuming from a checkpoint yet: drop -cp"),
+            (self.run.max_actor_restarts > 0, "producer restarts yet: use --max-actor-restarts 0"),
+        )
+        for condition, what in unsupported:
+            _require(not condition, "schedule.mode", f"stream does not support {what} or --schedule rounds")
 
 
 def resolve_precision(precision: PrecisionChoice, *, on_gpu: bool) -> Precision:

@@ -38,7 +38,7 @@ def resolve(config: RLConfig) -> RLConfig:
         data=_resolve_data(config.data, run_seed=config.run.seed),
         generation=_resolve_generation(config.generation, reward_type=config.reward.reward_type),
         algorithm=resolve_algorithm(
-            config.algorithm, max_new_tokens=config.generation.max_new_tokens, n_behind=config.schedule.n_behind
+            config.algorithm, max_new_tokens=config.generation.max_new_tokens, n_behind=config.schedule.policy_lag
         ),
     )
 

@@ -134,6 +134,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-e", "--num-episodes"), "schedule.num_episodes"),
     Flag(("-nb", "--n-behind"), "schedule.n_behind"),
     Flag(("--max-steps",), "schedule.max_steps"),
+    Flag(("--schedule",), "schedule.mode"),
+    Flag(("--max-staleness",), "schedule.max_staleness"),
+    Flag(("--sync-every-steps",), "schedule.sync_every_steps"),
     # reward
     Flag(("-rt", "--reward-type"), "reward.reward_type"),
     Flag(

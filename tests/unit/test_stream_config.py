@@ -1,0 +1,64 @@
+"""``--schedule stream``'s flags reach the config, and what stream mode does not run yet fails in one line that
+names the flag, before Ray starts (``RLConfig._validate_stream``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rl_example.py is a script at the repo root
+
+from rl_example import UsageError, config_from_args, parse_args  # noqa: E402
+
+STREAM = ["--schedule", "stream", "--max-actor-restarts", "0"]
+
+
+def config_of(argv: list[str]):
+    return config_from_args(parse_args(argv))
+
+
+def test_defaults_keep_the_round_schedule():
+    schedule = config_of([]).schedule
+    assert (schedule.mode, schedule.max_staleness, schedule.sync_every_steps) == ("rounds", 1, 1)
+
+
+def test_stream_flags_reach_the_schedule_config():
+    schedule = config_of([*STREAM, "--max-staleness", "3", "--sync-every-steps", "2"]).schedule
+    assert (schedule.mode, schedule.max_staleness, schedule.sync_every_steps) == ("stream", 3, 2)
+    assert schedule.policy_lag == 3
+
+
+def test_stream_staleness_sets_the_truncated_importance_cap_as_n_behind_does():
+    assert config_of([*STREAM, "--max-staleness", "0", "-nb", "1"]).algorithm.truncated_is_cap is None
+    assert config_of([*STREAM, "--max-staleness", "1", "-nb", "0"]).algorithm.truncated_is_cap is not None
+
+
+def test_unknown_schedule_is_refused_by_the_parser():
+    with pytest.raises(SystemExit):
+        parse_args(["--schedule", "continuous"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-staleness", "-1"], "^--max-staleness: must be >= 0$"),
+        (["--sync-every-steps", "0"], "^--sync-every-steps: must be >= 1$"),
+        ([*STREAM, "--sync-every-steps", "3"], "^--max-staleness: must be >= sync_every_steps - 1 = 2 in stream"),
+        ([*STREAM, "-pp", "2", "-t", "2"], "^--schedule: stream does not support pipeline parallelism yet"),
+        ([*STREAM, "--ppo-epochs", "2"], "^--schedule: stream does not support several passes"),
+        ([*STREAM, "-si", "1"], "^--schedule: stream does not support checkpoints yet: use -si 0 or --schedule"),
+        ([*STREAM, "-cp", "runs/x"], "^--schedule: stream does not support resuming"),
+        (["--schedule", "stream"], "^--schedule: stream does not support producer restarts yet: use --max-actor"),
+    ],
+)
+def test_unsupported_or_bad_stream_settings_fail_in_one_line_naming_the_flag(argv, message):
+    with pytest.raises(UsageError, match=message) as failure:
+        config_of(argv)
+    assert "\n" not in str(failure.value)
+
+
+def test_the_round_schedule_ignores_the_stream_only_limits():
+    config = config_of(["-pp", "2", "-t", "2", "--ppo-epochs", "2", "-si", "1", "--sync-every-steps", "3"])
+    assert config.schedule.mode == "rounds"
