@@ -187,6 +187,9 @@ class ProducerGroup(ActorGroup):
     def produce(self, round_index: int, buffer) -> Calls:
         return self._each("produce", lambda actor: actor.produce.remote(round_index, buffer))
 
+    def produce_chunk(self, rank: int, chunk_id: int, rows: list[int]) -> Calls:
+        return self._each("produce_chunk", lambda actor: actor.produce_chunk.remote(chunk_id, rows), [rank])
+
     def receive_weights(self, policy_version: int) -> Calls:
         return self._each("receive_weights", lambda actor: actor.receive_weights.remote(policy_version))
 
@@ -215,6 +218,10 @@ class TrainerGroup(ActorGroup):
 
     def train_round(self, round_index: int, buffer, sample_step: int | None) -> Calls:
         return self._each("train_round", lambda actor: actor.train_round.remote(round_index, buffer, sample_step))
+
+    def train_step(self, step: int, trainer_version: int, shares: list, sample: bool) -> Calls:
+        """``shares[dp_rank]``: the ``GroupRef``s that data-parallel rank trains (the same list goes to every rank)."""
+        return self._each("train_step", lambda actor: actor.train_step.remote(step, trainer_version, shares, sample))
 
     def push_weights(self, policy_version: int) -> Calls:
         return self._each("push_weights", lambda actor: actor.push_weights.remote(policy_version))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colossal_rl.profiling import Span
+from colossal_rl.schedule.events import FinishedGroup
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,30 @@ class RoundResult:
     """Rollouts of the step picked for logging (``--log-rollout-interval``); empty otherwise."""
     dropped_stale_groups: int
     carried_over_groups: int
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """A producer's streaming chunk (``ProducerActor.produce_chunk``): the kept groups' payload and every row's facts."""
+
+    chunk_id: int
+    producer_rank: int
+    payload: Any
+    """Object-store handle of the kept groups' batch (``comm/wire.py`` bytes), None when none was kept."""
+    batch_rows: tuple[int, ...]
+    """The payload's groups' rows: group ``i`` of the batch is row ``batch_rows[i]``."""
+    groups: tuple[FinishedGroup, ...]
+    """Every row of the chunk, kept or filtered, for the schedule (``StreamingScheduler.chunk_done``)."""
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one trainer rank did in one streaming optimizer step (``TrainerActor.train_step``)."""
+
+    step: int
+    metrics: dict[str, float]
+    data_indices: list[int]
+    """The training-set rows this rank's share came from (sorted)."""
+    samples: list[dict[str, Any]]
+    """Rollouts of the step when asked for (``--log-rollout-interval``); empty otherwise."""

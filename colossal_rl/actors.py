@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import ray
 
 from colossal_rl.actor_groups import ProducerRestarted
-from colossal_rl.actor_messages import ProducerReady, RoundResult, TrainerReady
-from colossal_rl.comm.buffer import Assignment, BufferSnapshot, RoundBuffer
+from colossal_rl.actor_messages import ChunkResult, ProducerReady, RoundResult, StepResult, TrainerReady
+from colossal_rl.comm.buffer import Assignment, BufferSnapshot, GroupRef, RoundBuffer
 from colossal_rl.config import RLConfig
 from colossal_rl.profiling import PhaseRecorder
 
@@ -122,17 +122,27 @@ class BufferActor:
 
 def assemble_steps(assignment: Assignment, groups_per_step: int, pad_token_id: int) -> list[RolloutBatch]:
     """Fetch the payloads of an assignment and cut them into one batch per optimizer step."""
-    from colossal_rl.batch import concat_batches
+    fetched = fetch_payloads(assignment.groups)
+    return [
+        step_batch(assignment.groups[step * groups_per_step : (step + 1) * groups_per_step], fetched, pad_token_id)
+        for step in range(assignment.num_steps)
+    ]
+
+
+def fetch_payloads(groups: list[GroupRef]) -> dict[int, RolloutBatch]:
+    """Every distinct payload the groups name, fetched and decoded once, by ``id`` of its handle."""
     from colossal_rl.comm import wire
 
-    unique = {id(g.payload): g.payload for g in assignment.groups}
-    fetched = {key: wire.decode(data) for key, data in zip(unique, ray.get(list(unique.values())), strict=True)}
-    steps = []
-    for step in range(assignment.num_steps):
-        groups = assignment.groups[step * groups_per_step : (step + 1) * groups_per_step]
-        parts = [fetched[id(g.payload)].select_groups([g.group_index]) for g in groups]
-        steps.append(concat_batches(parts, pad_token_id))
-    return steps
+    unique = {id(g.payload): g.payload for g in groups}
+    return {key: wire.decode(data) for key, data in zip(unique, ray.get(list(unique.values())), strict=True)}
+
+
+def step_batch(groups: list[GroupRef], fetched: dict[int, RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """One optimizer step's samples: ``groups`` cut out of their fetched payloads and joined, in order."""
+    from colossal_rl.batch import concat_batches
+
+    parts = [fetched[id(g.payload)].select_groups([g.group_index]) for g in groups]
+    return concat_batches(parts, pad_token_id)
 
 
 def rollout_samples(batch: RolloutBatch) -> list[dict]:
@@ -248,6 +258,24 @@ class ProducerActor:
             )
         metrics["rollout/policy_version"] = self.producer.policy_version
         return metrics
+
+    def produce_chunk(self, chunk_id: int, rows: list[int]) -> ChunkResult:
+        """One streaming chunk (``Producer.produce_chunk``): its kept groups' batch goes to the object store (as
+        ``comm/wire.py`` bytes); the driver gets the handle and every row's facts."""
+        from colossal_rl.comm import wire
+
+        self._check_weights()
+        chunk = self.producer.produce_chunk(chunk_id, rows)
+        with self.producer.phases.record("put"):
+            payload = ray.put(wire.encode(chunk.batch)) if chunk.batch is not None else None
+        return ChunkResult(
+            chunk_id=chunk_id,
+            producer_rank=self.rank,
+            payload=payload,
+            batch_rows=tuple(chunk.batch.data_indices) if chunk.batch is not None else (),
+            groups=chunk.groups,
+            metrics=chunk.metrics | {"rollout/policy_version": float(self.producer.policy_version)},
+        )
 
     def evaluate(self):
         self._check_weights()
@@ -365,6 +393,22 @@ class TrainerActor:
             samples=samples,
             dropped_stale_groups=assignment.dropped_stale_groups,
             carried_over_groups=assignment.carried_over_groups,
+        )
+
+    def train_step(self, step: int, trainer_version: int, shares: list[list[GroupRef]], sample: bool) -> StepResult:
+        """One streaming optimizer step on this rank's share, ``shares[dp_rank]`` (every tensor- and pipeline-
+        parallel rank of a data-parallel rank trains the same groups). ``trainer_version``: the version the
+        trainers hold, optimizer steps done (the staleness metric's reference). ``sample``: return its rollouts."""
+        self.trainer.policy_version = trainer_version
+        share = shares[self.trainer.dp_rank]
+        with self.trainer.phases.record("fetch"):
+            batch = step_batch(share, fetch_payloads(share), self.trainer.pad_token_id)
+        ((metrics, trained),) = self.trainer.train_epochs([batch], step)  # ppo_epochs 1: one optimizer step
+        return StepResult(
+            step=step,
+            metrics=metrics | self._batch_metrics(trained),
+            data_indices=sorted(trained.data_indices),
+            samples=rollout_samples(trained) if sample else [],
         )
 
     def _batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:

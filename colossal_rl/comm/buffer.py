@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from colossal_rl.comm.token_balance import balanced_parts
+from colossal_rl.comm.token_balance import step_shares
 
 
 @dataclass(frozen=True)
@@ -179,17 +179,13 @@ class RoundBuffer:
         self._takes_left[round_index] = dict.fromkeys(range(self.dp_size), self.takers_per_rank)
 
     def _rank_shares(self, dealt: list[GroupRef]) -> list[list[GroupRef]]:
-        """Step-major shares: each step's ``dp_size * gps`` groups split into ``gps`` per rank, balanced by token
-        cost when every group has one, else rank d taking groups [d*gps, (d+1)*gps) of the step."""
-        gps, per_step = self.groups_per_step, self.dp_size * self.groups_per_step
+        """Step-major shares: each step's ``dp_size * gps`` groups split into ``gps`` per rank
+        (``token_balance.step_shares``)."""
+        per_step = self.dp_size * self.groups_per_step
         shares: list[list[GroupRef]] = [[] for _ in range(self.dp_size)]
         for step_start in range(0, len(dealt), per_step):
             step = dealt[step_start : step_start + per_step]
-            if self.dp_size > 1 and all(group.tokens > 0 for group in step):
-                parts = balanced_parts([group.tokens for group in step], self.dp_size)
-            else:
-                parts = [list(range(rank * gps, (rank + 1) * gps)) for rank in range(self.dp_size)]
-            for rank, part in enumerate(parts):
+            for rank, part in enumerate(step_shares([group.tokens for group in step], self.dp_size)):
                 shares[rank].extend(step[i] for i in part)
         return shares
 

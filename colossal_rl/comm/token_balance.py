@@ -39,3 +39,15 @@ def balanced_parts(costs: list[int], num_parts: int) -> list[list[int]]:
         parts[part].append(index)
         loads[part] += costs[index]
     return [sorted(part) for part in parts]
+
+
+def step_shares(costs: list[int], num_parts: int) -> list[list[int]]:
+    """The indices of one optimizer step's groups each data-parallel rank trains, as many per rank: balanced by
+    token cost (:func:`balanced_parts`) when there are several ranks and every cost is known (> 0), else rank
+    ``d`` takes the ``d``-th contiguous slice."""
+    if num_parts < 1 or len(costs) % num_parts:
+        raise ValueError(f"{len(costs)} groups cannot be dealt to {num_parts} ranks equally")
+    if num_parts > 1 and all(cost > 0 for cost in costs):
+        return balanced_parts(costs, num_parts)
+    size = len(costs) // num_parts
+    return [list(range(rank * size, (rank + 1) * size)) for rank in range(num_parts)]

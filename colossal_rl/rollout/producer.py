@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from colossal_rl.batch import RolloutBatch, pad_to
+from colossal_rl.comm.token_balance import group_token_costs
 from colossal_rl.config import RLConfig, resolve_precision
 from colossal_rl.data import EpisodeSchedule, ImagePrompting, PromptDataset, load_prompt_dataset
 from colossal_rl.data_sources import RowKeys
@@ -28,6 +30,7 @@ from colossal_rl.rollout.backend import (
 )
 from colossal_rl.rollout.eval_result import EvalResult, mean_and_pass_at_k
 from colossal_rl.rollout.postprocess import postprocess_rollout
+from colossal_rl.schedule.events import FinishedGroup
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,17 @@ def concat_generation_outputs(parts: list[GenerationOutput], pad_token_id: int) 
         truncated=torch.cat([p.truncated for p in parts]),
         responses=[r for p in parts for r in p.responses],
     )
+
+
+@dataclass(frozen=True)
+class ChunkRollout:
+    """One streaming chunk, generated and post-processed (:meth:`Producer.produce_chunk`)."""
+
+    batch: RolloutBatch | None
+    """The kept groups, in the order of ``batch.data_indices``; None when dynamic sampling kept none."""
+    groups: tuple[FinishedGroup, ...]
+    """Every row of the chunk, in the order asked for, kept or not."""
+    metrics: dict[str, float]
 
 
 class Producer:
@@ -148,10 +162,27 @@ class Producer:
 
     def produce(self, round_index: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Generate, score and post-process this producer's prompts of ``round_index``."""
+        return self._rollout(self.schedule.rows_for(round_index, self.rank), seed_index=round_index)
+
+    def produce_chunk(self, chunk_id: int, rows: list[int]) -> ChunkRollout:
+        """Generate, score and post-process rows ``rows`` (one streaming chunk): the kept groups' batch and what
+        the schedule needs of every group (``schedule/events.py``'s ``FinishedGroup``: row, the policy version it
+        started with, its token cost, kept or filtered by dynamic sampling)."""
+        version = self.policy_version
+        batch, metrics = self._rollout(list(rows), seed_index=chunk_id)
+        kept_rows = tuple(batch.data_indices) if batch is not None else ()
+        shared_prompt = self.config.sequence_layout == "shared_prompt"
+        costs = (
+            dict(zip(kept_rows, group_token_costs(batch, shared_prompt=shared_prompt), strict=True)) if batch else {}
+        )
+        groups = tuple(FinishedGroup(row, version, costs.get(row, 0), row in costs) for row in rows)
+        return ChunkRollout(batch=batch, groups=groups, metrics=metrics)
+
+    def _rollout(self, row_indices: list[int], *, seed_index: int) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Generate, score and post-process ``row_indices`` (sampling seeded by run seed, ``seed_index``, rank)."""
         started = time.perf_counter()
-        row_indices = self.schedule.rows_for(round_index, self.rank)
         group_size = self.config.generation.num_generations
-        torch.manual_seed(self.config.run.seed * 1_000_003 + round_index * 1009 + self.rank)
+        torch.manual_seed(self.config.run.seed * 1_000_003 + seed_index * 1009 + self.rank)
         with self.phases.record("generate"):
             output, vision = self._generate(self.train_data, row_indices, group_size, self._train_sampling())
         generate_seconds = time.perf_counter() - started
@@ -170,7 +201,7 @@ class Producer:
             truncated=output.truncated,
             group_size=group_size,
             policy_version=self.policy_version,
-            round_index=round_index,
+            round_index=seed_index,
             producer_rank=self.rank,
             prompts=[self.tokenizer.decode(self.train_data.prompt_ids[i]) for i in row_indices],
             responses=output.responses,

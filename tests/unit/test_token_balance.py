@@ -9,7 +9,7 @@ import torch
 
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.comm.buffer import BufferSnapshot, RoundBuffer
-from colossal_rl.comm.token_balance import balanced_parts, group_token_costs
+from colossal_rl.comm.token_balance import balanced_parts, group_token_costs, step_shares
 
 
 def loads(costs, parts):
@@ -149,3 +149,14 @@ def test_costs_survive_a_snapshot_and_old_snapshots_restore_without_them():
         ["A:4", "A:5"],
         ["B:0", "B:1"],
     ]
+
+
+def test_step_shares_balance_known_costs_and_slice_otherwise():
+    """The dealing both schedules use: the round buffer's steps and the streaming driver's step orders."""
+    assert step_shares([100, 1, 1, 100], 2) == balanced_parts([100, 1, 1, 100], 2)
+    shares = step_shares([100, 100, 1, 1], 2)
+    assert sorted(sum([100, 100, 1, 1][i] for i in part) for part in shares) == [101, 101]
+    assert step_shares([0, 5, 7, 9], 2) == [[0, 1], [2, 3]]  # a cost unknown: contiguous slices
+    assert step_shares([3, 4, 5], 1) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="3 groups cannot be dealt to 2 ranks equally"):
+        step_shares([1, 2, 3], 2)

@@ -1,0 +1,88 @@
+"""Producer.produce_chunk (the streaming schedule's producer call) on the embedded model, no Ray: the kept groups'
+batch and a fact per row — the version generation started with, the token cost, kept or filtered by DAPO's dynamic
+sampling — computed by the same code as a round's ``produce``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from colossal_rl.batch import RolloutBatch
+from colossal_rl.comm.token_balance import group_token_costs
+from colossal_rl.config import GenerationConfig, RLConfig
+from colossal_rl.config_resolve import resolve
+from colossal_rl.presets import algorithm_preset
+from colossal_rl.reward.records import OK, RewardRecord
+from colossal_rl.rollout.producer import Producer
+
+GROUP_SIZE = 4
+
+
+class EveryOtherGroupAgrees:
+    """Group g of a call (group-major samples): all correct when g is even (dynamic sampling drops it), half
+    correct when odd (kept)."""
+
+    def score_batch(self, responses: list[str], rows: list[dict]) -> list[RewardRecord]:
+        records = []
+        for index in range(len(responses)):
+            group, sample = divmod(index, GROUP_SIZE)
+            correct = group % 2 == 0 or sample % 2 == 0
+            records.append(RewardRecord(float(correct), True, correct, OK))
+        return records
+
+
+@pytest.fixture(scope="module")
+def producer() -> Producer:
+    config = RLConfig(
+        generation=GenerationConfig(num_generations=GROUP_SIZE, microbatch_size=4, max_new_tokens=8),
+        # every tiny-model response hits max_new_tokens: keep truncated ones, or no group would be kept
+        algorithm=dataclasses.replace(
+            algorithm_preset("DAPO", kl_coeff=0.0, max_new_tokens=8, n_behind=1), filter_truncated_response=False
+        ),
+    )
+    return Producer(0, resolve(config), reward_scorer=EveryOtherGroupAgrees())
+
+
+def test_a_chunk_reports_every_row_and_returns_the_kept_groups(producer):
+    producer.policy_version = 3  # as after three syncs
+    rows = [5, 2, 7, 0]
+    chunk = producer.produce_chunk(chunk_id=11, rows=rows)
+    assert [group.row for group in chunk.groups] == rows
+    assert [group.kept for group in chunk.groups] == [False, True, False, True]
+    assert {group.policy_version for group in chunk.groups} == {3}
+    batch = chunk.batch
+    assert isinstance(batch, RolloutBatch)
+    assert batch.data_indices == [2, 0]  # the kept rows, in the chunk's order
+    assert batch.policy_version == 3 and batch.group_size == GROUP_SIZE
+    assert batch.advantages is not None
+    shared = producer.config.sequence_layout == "shared_prompt"
+    costs = group_token_costs(batch, shared_prompt=shared)
+    assert [group.tokens for group in chunk.groups if group.kept] == costs
+    assert all(cost > 0 for cost in costs)
+    assert [group.tokens for group in chunk.groups if not group.kept] == [0, 0]
+    assert chunk.metrics["rollout/groups_filtered"] == 2.0
+    assert "time/produce_s" in chunk.metrics
+
+
+def test_a_chunk_whose_groups_are_all_filtered_has_no_batch(producer):
+    chunk = producer.produce_chunk(chunk_id=12, rows=[4, 6])  # group 0 agrees, group 1 does not
+    assert [group.kept for group in chunk.groups] == [False, True]
+    chunk = producer.produce_chunk(chunk_id=13, rows=[4])
+    assert chunk.batch is None
+    assert [(group.row, group.kept, group.tokens) for group in chunk.groups] == [(4, False, 0)]
+
+
+def test_a_chunk_samples_as_a_round_of_the_same_rows_and_seed_does(producer):
+    rows = producer.schedule.rows_for(0, 0)[:2]
+    keep_all = dataclasses.replace(producer.config.algorithm, filter_range=None)
+    original = producer.config
+    producer.config = dataclasses.replace(original, algorithm=keep_all)
+    try:
+        torch.manual_seed(0)
+        chunk = producer.produce_chunk(chunk_id=0, rows=rows)
+        batch, _ = producer._rollout(rows, seed_index=0)
+    finally:
+        producer.config = original
+    assert torch.equal(chunk.batch.response_ids, batch.response_ids)
