@@ -318,12 +318,14 @@ class Driver:
             self.progress.eval_accuracy_before = self._log_eval(results)
             self.progress.next_eval_step = self.config.run.eval_interval
 
-    def _log_eval(self, results) -> dict[str, float]:
-        """Log every task's accuracy (mean@k) over all producers' shares, and pass@k with several samples."""
+    def _log_eval(self, results, step: int | None = None) -> dict[str, float]:
+        """Log every task's accuracy (mean@k) over all producers' shares, and pass@k with several samples, at
+        ``step`` (the weights' step; None: the current one)."""
+        step = self.step if step is None else step
         accuracy, logged, records = aggregate_eval(results, self.config.generation.eval_samples)
-        self.metrics.log("eval", self.step, logged)
-        write_eval_generations(self.eval_dir, self.step, records)
-        logger.info("eval at step %d: %s", self.step, {key: round(value, 4) for key, value in logged.items()})
+        self.metrics.log("eval", step, logged)
+        write_eval_generations(self.eval_dir, step, records)
+        logger.info("eval at step %d: %s", step, {key: round(value, 4) for key, value in logged.items()})
         return accuracy
 
     def _maybe_evaluate(self) -> None:
@@ -504,6 +506,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     from colossal_rl.config_resolve import resolve
     from colossal_rl.input_checks import check_inputs
     from colossal_rl.producer_env import ensure_producer_env
+    from colossal_rl.stream_loop import StreamLoop, stream_total_steps
 
     startup = PhaseRecorder()
     startup.add("python+flags", process_started_at(), time.time())
@@ -511,7 +514,10 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     with startup.record("inputs"):
         config = resolve(config).validate()  # the derived fields: as the command line makes them
         rows_in_source = check_inputs(config).train_rows
-        rounds = total_rounds(config, rows_in_source)  # an upper bound, checked before Ray starts
+        stream = config.schedule.mode == "stream"
+        # an upper bound, checked before Ray starts
+        rounds = 0 if stream else total_rounds(config, rows_in_source)
+        steps = stream_total_steps(config, rows_in_source) if stream else 0
         resume_from, config = checkpoint_to_resume(config)  # --precision auto: the checkpoint's
         if config.run.eval_save_dir:
             prepare_eval_dir(
@@ -532,16 +538,23 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         (run_dir / CONFIG_FILE).write_text(config_to_yaml(config), encoding="utf-8")  # --config takes it back
         with startup.record("metrics"):
             metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
-        logger.info(
-            "run directory: %s (%d rounds, %d optimizer steps per round)",
-            run_dir, rounds, config.optimizer_steps_per_round,
-        )  # fmt: skip
+        if stream:
+            logger.info("run directory: %s (stream schedule: %d optimizer steps)", run_dir, steps)
+        else:
+            logger.info(
+                "run directory: %s (%d rounds, %d optimizer steps per round)",
+                run_dir, rounds, config.optimizer_steps_per_round,
+            )  # fmt: skip
         driver = Driver(config, run_dir, metrics, startup)
         driver.start(resume_from)
-        if driver.train_rows != rows_in_source:  # over-long prompts were left out by the producers
-            rounds = total_rounds(config, driver.train_rows)
-            logger.info("%d training prompts fit -mpt: %d rounds", driver.train_rows, rounds)
-        before, after = driver.run(rounds)
+        if stream:
+            steps = stream_total_steps(config, driver.train_rows)  # over-long prompts were left out
+            before, after = StreamLoop(driver, steps).run()
+        else:
+            if driver.train_rows != rows_in_source:  # over-long prompts were left out by the producers
+                rounds = total_rounds(config, driver.train_rows)
+                logger.info("%d training prompts fit -mpt: %d rounds", driver.train_rows, rounds)
+            before, after = driver.run(rounds)
     except BaseException as error:  # Ctrl-C included: the run directory tells it did not finish
         write_failed_marker(run_dir, error)
         raise
