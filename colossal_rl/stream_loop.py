@@ -161,7 +161,7 @@ class StreamLoop:
         """The eval every ``-ei`` steps, of the weights synced at that step (submitted behind that sync)."""
         interval, progress = self.config.run.eval_interval, self.driver.progress
         step = self.driver.step
-        if not interval or step < progress.next_eval_step or step >= self.total_steps:
+        if not interval or step == 0 or step < progress.next_eval_step or step >= self.total_steps:
             return
         if self.scheduler.synced_version != step or self._kinds("eval"):
             return
