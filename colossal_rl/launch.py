@@ -549,7 +549,10 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         driver.start(resume_from)
         if stream:
             steps = stream_total_steps(config, driver.train_rows)  # over-long prompts were left out
-            before, after = StreamLoop(driver, steps).run()
+            resumed = None if resume_from is None else ckpt.load_state(resume_from).stream_schedule
+            if resume_from is not None and resumed is None:
+                raise ckpt.CheckpointError(f"{resume_from}: not a --schedule stream checkpoint")
+            before, after = StreamLoop(driver, steps, resumed).run()
         else:
             if driver.train_rows != rows_in_source:  # over-long prompts were left out by the producers
                 rounds = total_rounds(config, driver.train_rows)

@@ -10,12 +10,16 @@ after it generates with it. Then it waits (``ray.wait``, bounded by ``--timeout`
 a chunk, the step, the sync or an eval.
 
 One sync is in flight at a time: a trainer may not overwrite what a producer has not read yet (shm, files).
-Not here yet (``config.py`` refuses them in stream mode): checkpoints, resume, producer restarts, pipeline
-parallelism, ppo_epochs > 1. Uses the ``Driver``'s actors, start-up, evals, export and shutdown.
+A checkpoint (``-si``) is taken between two steps: the trainers' state and the scheduler's snapshot; on resume
+the rows of chunks in flight and of groups waiting then are handed out again (their rollouts are not saved:
+they are generated anew, with the resumed weights), so no row is trained twice in an episode.
+Not here yet (``config.py`` refuses them in stream mode): producer restarts, pipeline parallelism,
+ppo_epochs > 1. Uses the ``Driver``'s actors, start-up, evals, export and shutdown.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,6 +33,7 @@ from colossal_rl.actor_messages import ChunkResult, StepResult
 from colossal_rl.comm.buffer import GroupRef
 from colossal_rl.comm.token_balance import step_shares
 from colossal_rl.metrics import merge_rank_step_metrics
+from colossal_rl.run_checkpoints.save_and_resume import save_run
 from colossal_rl.run_outputs import write_rollout_samples
 from colossal_rl.schedule.events import ChunkOrder, StepOrder, TrainGroup
 from colossal_rl.schedule.prompts import shuffled_rows
@@ -98,13 +103,18 @@ class BusyTime:
 class StreamLoop:
     """Runs one streaming schedule on a started ``Driver``'s actors (``progress.step`` counts its steps)."""
 
-    def __init__(self, driver: Driver, total_steps: int):
+    def __init__(self, driver: Driver, total_steps: int, resumed: dict | None = None):
+        """``resumed``: the scheduler's snapshot in the checkpoint the driver started from."""
         self.driver = driver
         self.config = driver.config
         self.total_steps = total_steps
         self.scheduler = StreamingScheduler(
             stream_settings(self.config, total_steps), shuffled_rows(driver.train_rows, self.config.data.seed)
         )
+        if resumed is not None:
+            self.scheduler.restore(resumed, requeue_waiting=True)
+            if self.scheduler.steps_done != driver.step:
+                raise RunFailed(f"stream schedule at step {self.scheduler.steps_done}, trainers at {driver.step}")
         self.chunks: dict[int, ChunkResult] = {}
         """Chunks whose kept groups may still be trained: where each group's payload is."""
         self.waiting: list[Waiting] = []
@@ -240,6 +250,7 @@ class StreamLoop:
         if results[0].samples:
             write_rollout_samples(driver.rollout_dir, driver.step, results[0].samples)
         self._forget_untrainable_chunks()
+        self._maybe_checkpoint()
         progress.update(1)
         progress.set_postfix(reward=f"{merged['train/reward']:.3f}", loss=f"{merged['train/loss']:.4f}")
 
@@ -248,6 +259,24 @@ class StreamLoop:
         oldest_usable = self.scheduler.steps_done - self.config.schedule.max_staleness
         for chunk_id in [c for c, result in self.chunks.items() if result.groups[0].policy_version < oldest_usable]:
             del self.chunks[chunk_id]
+
+    def _maybe_checkpoint(self) -> None:
+        """Save (``-si``) between two steps: trainers' state and the scheduler's snapshot. The weights the trainers
+        hold are version ``step`` here (versions count steps): a resume syncs them as that."""
+        driver = self.driver
+        if not driver._checkpoint_due(driver.step >= self.total_steps):
+            return
+        save_run(
+            run_dir=driver.run_dir,
+            config=self.config,
+            progress=dataclasses.replace(driver.progress, policy_version=driver.step),
+            trainers=driver.trainers,
+            buffer=driver.buffer,
+            produced_metrics={},
+            timeout_s=driver.timeout,
+            stream_schedule=self.scheduler.snapshot(),
+        )
+        driver.last_saved_step = driver.step
 
     def _eval_done(self, step: int | None, results: list) -> None:
         driver = self.driver

@@ -61,6 +61,7 @@ RESUME_INVARIANT_FIELDS = (
     "schedule.num_producers",
     "schedule.inference_batch_size",
     "schedule.n_behind",
+    "schedule.mode",  # a stream checkpoint holds the streaming schedule's state, a round one the buffer's
     "run.seed",
 )
 
@@ -95,6 +96,8 @@ class RunState:
     config: dict[str, Any] = field(default_factory=dict)
     pending_rollout_metrics: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Per round generated but not trained yet: each producer's rollout metrics (logged when trained)."""
+    stream_schedule: dict[str, Any] | None = None
+    """``--schedule stream``: the ``StreamingScheduler``'s snapshot (None for the round schedule)."""
 
     @property
     def step(self) -> int:
@@ -104,18 +107,20 @@ class RunState:
         """Flat, as every earlier ``state.json``: the counters beside the other keys."""
         progress = asdict(self.progress)
         progress["eval_accuracy_before"] = progress["eval_accuracy_before"] or {}
+        stream = {} if self.stream_schedule is None else {"stream_schedule": self.stream_schedule}
         return {**progress, "run_dir": self.run_dir, "config": self.config,
-                "pending_rollout_metrics": self.pending_rollout_metrics}  # fmt: skip
+                "pending_rollout_metrics": self.pending_rollout_metrics, **stream}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunState:
         counters = {f.name for f in fields(RunProgress)}
-        unknown = set(data) - counters - {"run_dir", "config", "pending_rollout_metrics"}
+        unknown = set(data) - counters - {"run_dir", "config", "pending_rollout_metrics", "stream_schedule"}
         if unknown:
             raise TypeError(f"unknown keys {sorted(unknown)}")
         progress = RunProgress(**{key: value for key, value in data.items() if key in counters})
         return cls(progress=progress, run_dir=data["run_dir"], config=data.get("config", {}),
-                   pending_rollout_metrics=data.get("pending_rollout_metrics", {}))  # fmt: skip
+                   pending_rollout_metrics=data.get("pending_rollout_metrics", {}),
+                   stream_schedule=data.get("stream_schedule"))  # fmt: skip
 
 
 def checkpoint_name(step: int) -> str:

@@ -40,11 +40,13 @@ def save_run(
     buffer,
     produced_metrics: dict[int, list[dict]],
     timeout_s: float,
+    stream_schedule: dict | None = None,
 ) -> Path:
     """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters.
 
     ``produced_metrics``: per round generated and not trained yet, each producer's rollout metrics (the driver waited
-    for those rounds first: ``PendingCalls.settle``); their rollouts are in the buffer's snapshot."""
+    for those rounds first: ``PendingCalls.settle``); their rollouts are in the buffer's snapshot.
+    ``stream_schedule``: with ``--schedule stream``, the streaming scheduler's snapshot (after a step)."""
     staging = ckpt.staging_dir(checkpoints_dir(run_dir), progress.step)
     pending_metrics = {str(r): metrics for r, metrics in produced_metrics.items()}
     snapshot = ray.get(buffer.snapshot.remote(), timeout=timeout_s)
@@ -55,6 +57,7 @@ def save_run(
         run_dir=str(run_dir),
         config=config_as_json(config),
         pending_rollout_metrics=pending_metrics,
+        stream_schedule=stream_schedule,
     )
     final = ckpt.commit(staging, state, snapshot)
     ckpt.prune(checkpoints_dir(run_dir), config.run.save_limit)

@@ -64,3 +64,23 @@ def test_stream_run_with_dynamic_sampling_and_sparser_syncs_still_trains_the_req
     filtered = sum(r["rollout/groups_filtered"] for r in rollouts)
     assert train[-1]["schedule/groups_filtered"] == filtered
     assert filtered > 0, "nothing was filtered: the test does not show the made-up groups"
+
+
+def test_a_resumed_stream_run_trains_no_row_twice_in_the_epoch(tmp_path):
+    """Checkpoint at step 2 of 4 (chunks in flight and groups waiting then), resume from it in a new run: the
+    resumed run trains steps 3 and 4, and the two runs' steps 1-2 and 3-4 together train no row twice."""
+    import json
+
+    _, first = run_stream(tmp_path / "first", "--max-steps", "4", "-si", "2", "-ei", "0")
+    (run_dir,) = list((tmp_path / "first").iterdir())
+    checkpoint = run_dir / "checkpoints" / "step_000002"
+    snapshot = json.loads((checkpoint / "state.json").read_text())["stream_schedule"]
+    assert snapshot["steps_done"] == 2
+    assert snapshot["in_flight"] or snapshot["waiting"], "nothing was in flight at the checkpoint: a weak test"
+    _, resumed = run_stream(tmp_path / "resumed", "--max-steps", "4", "-ei", "0", "-cp", str(checkpoint))
+    before = [r for r in first if r["kind"] == "train" and r["step"] <= 2]
+    after = [r for r in resumed if r["kind"] == "train"]
+    assert [r["step"] for r in after] == [3, 4]
+    rows = [index for record in before + after for index in record["train/data_indices"]]
+    assert len(rows) == 4 * 8 and len(set(rows)) == len(rows), "a row was trained twice in the epoch"
+    assert all(record["schedule/step_staleness_max"] <= 1 for record in after)

@@ -139,3 +139,27 @@ def test_prune_removes_interrupted_saves_older_than_the_newest_whole_checkpoint(
     assert [p.name for p in removed] == ["step_000002", "step_000003"]
     # step 9 is newer than every whole checkpoint: it may be a save still being written, so it stays
     assert [p.name for p in ckpt.checkpoint_dirs(checkpoints)] == ["step_000004", "step_000008", "step_000009"]
+
+
+def test_a_stream_schedule_snapshot_round_trips_and_round_states_write_none(tmp_path):
+    from colossal_rl.schedule.streaming import StreamingScheduler, StreamingSettings
+
+    settings = StreamingSettings(
+        num_producers=1, groups_per_step=2, prompts_per_chunk=2, max_staleness=1, total_steps=3
+    )
+    scheduler = StreamingScheduler(settings, lambda episode: list(range(8)))
+    scheduler.admit()
+    stream_state = dataclasses.replace(state(0), stream_schedule=scheduler.snapshot())
+    staging = ckpt.staging_dir(tmp_path / "checkpoints", 0)
+    final = ckpt.commit(staging, stream_state, EMPTY_BUFFER)
+    assert ckpt.load_state(final) == stream_state
+    assert "stream_schedule" not in state(0).to_json()  # round checkpoints' state.json is as before
+
+
+def test_the_schedule_mode_may_not_change_on_resume():
+    saved = json.loads(json.dumps(dataclasses.asdict(RLConfig())))  # a checkpoint written before the field: rounds
+    del saved["schedule"]["mode"]
+    stream = RLConfig(schedule=ScheduleConfig(mode="stream"))
+    assert ckpt.resume_mismatches(saved, json.loads(json.dumps(dataclasses.asdict(stream)))) == [
+        "schedule.mode: 'rounds' -> 'stream'"
+    ]

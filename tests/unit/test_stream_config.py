@@ -48,8 +48,6 @@ def test_unknown_schedule_is_refused_by_the_parser():
         ([*STREAM, "--sync-every-steps", "3"], "^--max-staleness: must be >= sync_every_steps - 1 = 2 in stream"),
         ([*STREAM, "-pp", "2", "-t", "2"], "^--schedule: stream does not support pipeline parallelism yet"),
         ([*STREAM, "--ppo-epochs", "2"], "^--schedule: stream does not support several passes"),
-        ([*STREAM, "-si", "1"], "^--schedule: stream does not support checkpoints yet: use -si 0 or --schedule"),
-        ([*STREAM, "-cp", "runs/x"], "^--schedule: stream does not support resuming"),
         (["--schedule", "stream"], "^--schedule: stream does not support producer restarts yet: use --max-actor"),
     ],
 )
