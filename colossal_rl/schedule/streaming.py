@@ -92,6 +92,8 @@ class StreamingCounters:
     trained_groups: int = 0
     dropped_stale_groups: int = 0
     filtered_groups: int = 0
+    requeued_groups: int = 0
+    """Rows of lost chunks (their producer died) handed out again."""
     staleness: dict[int, int] = field(default_factory=dict)
     """Staleness -> trained groups with it."""
 
@@ -269,6 +271,16 @@ class StreamingScheduler:
             raise ValueError(f"chunk {chunk_id} reported done without rows {sorted(missing)}")
         self.groups_done(chunk_id, groups)
 
+    def chunk_lost(self, chunk_id: int) -> None:
+        """A chunk's producer died before reporting (the rest of) it: its unreported rows leave flight and are
+        handed out again first (each still at most once per episode: they were never accepted)."""
+        flight = self._in_flight.pop(chunk_id, None)
+        if flight is None:
+            raise ValueError(f"chunk {chunk_id} is not in flight")
+        rows = [row for row in flight.order.rows if row in flight.unreported]
+        self.prompts.requeue(flight.order.episode, rows)
+        self.counters.requeued_groups += len(rows)
+
     def step_done(self) -> None:
         """The trainers finished the step last ordered: they now hold version ``steps_done``."""
         if not self._step_open:
@@ -321,7 +333,7 @@ class StreamingScheduler:
         self._steps_done = self.synced_version = int(state["steps_done"])
         self._next_chunk_id, self._next_arrival = int(state["next_chunk_id"]), int(state["next_arrival"])
         self._dropped_unreported = int(state["dropped_unreported"])
-        counters = dict(state["counters"])
+        counters = {"requeued_groups": 0} | dict(state["counters"])  # snapshots from before chunk_lost lack it
         counters["staleness"] = {int(lag): int(count) for lag, count in counters["staleness"]}
         self.counters = StreamingCounters(**counters)
 
@@ -333,6 +345,7 @@ class StreamingScheduler:
             "schedule/groups_trained": float(trained),
             "schedule/groups_dropped_stale": float(self.counters.dropped_stale_groups),
             "schedule/groups_filtered": float(self.counters.filtered_groups),
+            "schedule/groups_requeued": float(self.counters.requeued_groups),
             "schedule/chunks_in_flight": float(self.chunks_in_flight()),
             "schedule/groups_in_flight": float(self.groups_in_flight()),
             "schedule/groups_waiting": float(len(self._waiting)),

@@ -304,3 +304,44 @@ def test_a_partial_chunk_goes_only_to_a_producer_with_nothing_in_flight():
     assert scheduler.admit() == []  # room for 1 prompt, and the producer still has chunk 1 to run
     scheduler.chunk_done(1, kept([2, 3]))
     assert scheduler.admit() == [ChunkOrder(2, 0, 0, (4,), 0)]
+
+
+def test_a_lost_chunk_is_handed_out_again_first():
+    scheduler = StreamingScheduler(settings(), identity_rows(10))
+    assert scheduler.admit() == [ChunkOrder(0, 0, 0, (0, 1), 0), ChunkOrder(1, 1, 0, (2, 3), 0)]
+    scheduler.groups_done(0, kept([0]))
+    scheduler.chunk_lost(0)  # producer 0 died after reporting row 0
+    assert scheduler.chunks_in_flight() == 1 and scheduler.counters.requeued_groups == 1
+    assert scheduler.admit() == [ChunkOrder(2, 0, 0, (1,), 0)]  # row 1 again, before rows 4, 5...
+    with pytest.raises(ValueError, match="chunk 0 is not in flight"):
+        scheduler.chunk_lost(0)
+    assert scheduler.metrics()["schedule/groups_requeued"] == 1.0
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("seed", range(3))
+def test_losing_random_chunks_still_trains_every_row_exactly_once(case, seed):
+    num_rows, episodes = 36, 2
+    total_steps = num_rows * episodes // CASES[case]["groups_per_step"]
+    scheduler = StreamingScheduler(
+        StreamingSettings(**CASES[case], total_steps=total_steps, on_straggler="wait", num_episodes=episodes),
+        shuffled_rows(num_rows, seed),
+    )
+    driver = RandomDriver(scheduler, seed, partial=True, on_admit=bound_checker(scheduler))
+    for _ in range(100_000):
+        driver.decide()
+        if scheduler.finished and driver.open_step is None:
+            break
+        if driver.in_flight and driver.rng.random() < 0.15:  # its producer died
+            chunk_id = driver.rng.choice(sorted(driver.in_flight))
+            scheduler.chunk_lost(chunk_id)
+            del driver.in_flight[chunk_id]
+        elif driver.open_step is not None and (not driver.in_flight or driver.rng.random() < 0.5):
+            scheduler.step_done()
+            driver.open_step = None
+        elif driver.in_flight:
+            driver.report_chunk(driver.rng.choice(sorted(driver.in_flight)))
+        else:
+            scheduler.sync_ordered(scheduler.sync_due())
+    assert scheduler.steps_done == total_steps and scheduler.counters.requeued_groups > 0
+    assert sorted(driver.trained_rows()) == [(e, row) for e in range(episodes) for row in range(num_rows)]
