@@ -187,8 +187,8 @@ class ProducerGroup(ActorGroup):
     def produce(self, round_index: int, buffer) -> Calls:
         return self._each("produce", lambda actor: actor.produce.remote(round_index, buffer))
 
-    def produce_chunk(self, rank: int, chunk_id: int, rows: list[int]) -> Calls:
-        return self._each("produce_chunk", lambda actor: actor.produce_chunk.remote(chunk_id, rows), [rank])
+    def produce_chunk(self, rank: int, chunk_id: int, rows: list[int], buffer) -> Calls:
+        return self._each("produce_chunk", lambda actor: actor.produce_chunk.remote(chunk_id, rows, buffer), [rank])
 
     def receive_weights(self, policy_version: int) -> Calls:
         return self._each("receive_weights", lambda actor: actor.receive_weights.remote(policy_version))

@@ -65,7 +65,8 @@ class ChunkResult:
     chunk_id: int
     producer_rank: int
     payload: Any
-    """Object-store handle of the kept groups' batch (``comm/wire.py`` bytes), None when none was kept."""
+    """Object-store handle of the kept groups' batch (``comm/wire.py`` bytes, owned by the buffer actor), None
+    when none was kept."""
     batch_rows: tuple[int, ...]
     """The payload's groups' rows: group ``i`` of the batch is row ``batch_rows[i]``."""
     groups: tuple[FinishedGroup, ...]

@@ -91,6 +91,11 @@ class BufferActor:
         async with self._condition():
             self._condition().notify_all()
 
+    async def keep(self, payload: list) -> list:
+        """[a copy of ``payload[0]``'s bytes in an object this buffer owns] (the streaming schedule's chunks): it
+        outlives a producer that dies before the chunk's groups are trained, as ``put``'s copies do."""
+        return [ray.put(await payload[0])]
+
     async def take(self, round_index: int, dp_rank: int, trainer_policy_version: int, timeout_s: float) -> Assignment:
         condition = self._condition()
         async with condition:
@@ -259,15 +264,19 @@ class ProducerActor:
         metrics["rollout/policy_version"] = self.producer.policy_version
         return metrics
 
-    def produce_chunk(self, chunk_id: int, rows: list[int]) -> ChunkResult:
+    def produce_chunk(self, chunk_id: int, rows: list[int], buffer) -> ChunkResult:
         """One streaming chunk (``Producer.produce_chunk``): its kept groups' batch goes to the object store (as
-        ``comm/wire.py`` bytes); the driver gets the handle and every row's facts."""
+        ``comm/wire.py`` bytes), copied into an object the buffer owns (it outlives this producer); the driver
+        gets that handle and every row's facts."""
         from colossal_rl.comm import wire
 
         self._check_weights()
         chunk = self.producer.produce_chunk(chunk_id, rows)
+        payload = None
         with self.producer.phases.record("put"):
-            payload = ray.put(wire.encode(chunk.batch)) if chunk.batch is not None else None
+            if chunk.batch is not None:
+                kept = buffer.keep.remote([ray.put(wire.encode(chunk.batch))])
+                (payload,) = ray.get(kept, timeout=self.config.run.timeout_s)
         return ChunkResult(
             chunk_id=chunk_id,
             producer_rank=self.rank,

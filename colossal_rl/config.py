@@ -772,7 +772,6 @@ class RLConfig:
         unsupported = (
             (self.parallel.pp_size > 1, "pipeline parallelism yet: use -pp 1"),
             (self.train.ppo_epochs > 1, "several passes over a step's samples: use --ppo-epochs 1"),
-            (self.run.max_actor_restarts > 0, "producer restarts yet: use --max-actor-restarts 0"),
         )
         for condition, what in unsupported:
             _require(not condition, "schedule.mode", f"stream does not support {what} or --schedule rounds")

@@ -13,8 +13,10 @@ One sync is in flight at a time: a trainer may not overwrite what a producer has
 A checkpoint (``-si``) is taken between two steps: the trainers' state and the scheduler's snapshot; on resume
 the rows of chunks in flight and of groups waiting then are handed out again (their rollouts are not saved:
 they are generated anew, with the resumed weights), so no row is trained twice in an episode.
-Not here yet (``config.py`` refuses them in stream mode): producer restarts, pipeline parallelism,
-ppo_epochs > 1. Uses the ``Driver``'s actors, start-up, evals, export and shutdown.
+A producer that dies is restarted by Ray (``--max-actor-restarts``): it gets the last completed sync's weights,
+the rows of its lost chunks are handed out again, a sync it broke is made again on a newly formed group.
+Not here yet (``config.py`` refuses them in stream mode): pipeline parallelism, ppo_epochs > 1. Uses the
+``Driver``'s actors, start-up, evals, export, shutdown and producer restarts.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from typing import TYPE_CHECKING, Any
 import ray
 from tqdm import tqdm
 
-from colossal_rl.actor_groups import Calls, RunFailed, call_outcome, gather
+from colossal_rl.actor_groups import Calls, RunFailed, TrainerGroup, call_outcome, gather
 from colossal_rl.actor_messages import ChunkResult, StepResult
 from colossal_rl.comm.buffer import GroupRef
 from colossal_rl.comm.token_balance import step_shares
+from colossal_rl.launch import resume_hint
 from colossal_rl.metrics import merge_rank_step_metrics
+from colossal_rl.producer_restarts import redo_lost
 from colossal_rl.run_checkpoints.save_and_resume import save_run
 from colossal_rl.run_outputs import write_rollout_samples
 from colossal_rl.schedule.events import ChunkOrder, StepOrder, TrainGroup
@@ -150,12 +154,14 @@ class StreamLoop:
         scheduler, driver = self.scheduler, self.driver
         version = scheduler.sync_due()
         if version is not None and not self._kinds("sync"):
+            if driver.sync.stale:  # a producer restarted since the sync group was formed
+                driver._form_weight_sync(retain=False)
             self._submit("sync", driver.trainers.push_weights(version) + driver.producers.receive_weights(version),
                          version)  # fmt: skip
             scheduler.sync_ordered(version)
         self._order_eval()
         for order in scheduler.admit():
-            self._submit("chunk", driver.producers.produce_chunk(order.producer_rank, order.chunk_id, list(order.rows)),
+            self._submit("chunk", driver.producers.produce_chunk(order.producer_rank, order.chunk_id, list(order.rows), driver.buffer),
                          order)  # fmt: skip
         if not self.eval_before_ordered:  # behind the first chunks: same weights, and they need not wait for it
             self.eval_before_ordered = True
@@ -209,10 +215,56 @@ class StreamLoop:
             self._unanswered.discard(ready[0])
             item = next(item for item in self.waiting if any(call.ref == ready[0] for call in item.calls))
             if call_outcome(ready[0])[0] != "ok":
-                gather(item.calls, self.driver.timeout)  # raises RunFailed naming every failed call
+                try:
+                    gather(item.calls, self.driver.timeout)  # raises RunFailed naming every failed call
+                except RunFailed as failure:
+                    self._recover(failure, item)  # re-raises unless producers died and were restarted
+                    continue
             if not any(call.ref in self._unanswered for call in item.calls):
                 self.waiting.remove(item)
                 return item
+
+    # ------------------------------------------------------------------ producer restarts
+    def _recover(self, failure: RunFailed, item: Waiting) -> None:
+        """Producers Ray restarted (``--max-actor-restarts``) get the last completed sync's weights; every call
+        they lost is dealt with: a chunk's rows are handed out again (``chunk_lost``), an eval's calls made again,
+        a sync made again whole on a newly formed sync group. A dead trainer, or a failure that is no producer
+        death, ends the run (with the resume command)."""
+        driver = self.driver
+        if failure.any_died(TrainerGroup.kind):
+            raise RunFailed(f"{failure}; {resume_hint(driver.run_dir)}", failure.outcomes) from None
+        restarted = driver.restarts.restarted(failure, item.calls, whole_sync=item.kind == "sync")
+        if restarted:
+            # queued behind every call they had: once it returns, each of those has failed
+            driver.restarts.restore_weights(restarted, driver.progress.policy_version, driver.sync.retained_weights)
+            driver.sync.stale = True
+            driver.metrics.log("faults", driver.step, {"faults/producer_restarts": driver.restarts.total})
+        for waiting in list(self.waiting):
+            lost = [call for call in waiting.calls if _lost(call)]
+            if waiting.kind == "sync" and (lost or restarted):
+                self._remake_sync(waiting)
+            elif lost and waiting.kind == "chunk":
+                self.scheduler.chunk_lost(waiting.subject.chunk_id)
+                self._forget(waiting)
+                logger.warning(
+                    "chunk %d lost with its producer: its rows are handed out again", waiting.subject.chunk_id
+                )
+            elif lost:
+                self._forget(waiting)
+                self._submit(waiting.kind, redo_lost(waiting.calls), waiting.subject)
+
+    def _remake_sync(self, sync: Waiting) -> None:
+        """Wait (bounded) until every call of a broken sync ended, form the sync group again, and sync anew."""
+        driver = self.driver
+        ray.wait([call.ref for call in sync.calls], num_returns=len(sync.calls), timeout=driver.timeout)
+        self._forget(sync)
+        driver._form_weight_sync(retain=False)
+        version = sync.subject
+        self._submit("sync", driver.trainers.push_weights(version) + driver.producers.receive_weights(version), version)
+
+    def _forget(self, item: Waiting) -> None:
+        self.waiting.remove(item)
+        self._unanswered.difference_update(call.ref for call in item.calls)
 
     def _answer(self, item: Waiting, progress) -> None:
         results = gather(item.calls, self.driver.timeout)  # all finished: no wait
@@ -222,6 +274,9 @@ class StreamLoop:
             self._step_done(item.subject, results, progress)
         elif item.kind == "sync":
             self.driver.progress.policy_version = item.subject
+            retained = [ref for refs in results[: len(self.driver.trainers)] for ref in refs]
+            if retained:  # with --max-actor-restarts: what a restarted producer is given
+                self.driver.sync.retained_weights = retained
             self.driver.metrics.log("sync", self.driver.step, {"time/sync_s": time.perf_counter() - item.submitted_at})
         else:
             self._eval_done(item.subject, results)
@@ -283,6 +338,12 @@ class StreamLoop:
         accuracy = driver._log_eval(results, step=0 if step is None else step)
         if step is None:
             driver.progress.eval_accuracy_before = accuracy
+
+
+def _lost(call) -> bool:
+    """A finished call that failed because its producer died or was restarted."""
+    ready, _ = ray.wait([call.ref], timeout=0)
+    return bool(ready) and call_outcome(call.ref)[0] in ("died", "restarted")
 
 
 def step_metrics(step: StepOrder) -> dict[str, float]:

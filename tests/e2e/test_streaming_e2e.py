@@ -1,21 +1,26 @@
 """``rl_example.py --schedule stream`` end to end on the embedded model (issue 35): every requested optimizer step
 is trained, no group staler than ``--max-staleness``, no prompt trained twice in the epoch, evals where ``-ei``
-puts them, and with DAPO's dynamic sampling the filtered groups are made up by further chunks."""
+puts them; with DAPO's dynamic sampling the filtered groups are made up by further chunks; a resumed run trains
+no row the interrupted one trained; a producer killed mid-run is restarted and its lost chunks' rows are
+generated again."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from run_processes import marked_env, new_marker
+from run_processes import actor_pids, marked_env, new_marker
 
 from colossal_rl.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["-t", "2", "-i", "2", "-g", "4", "-ibs", "8", "-imbs", "4", "-tbs", "4", "-tMbs", "4", "-tmbs", "16"]
-STREAM = ["--schedule", "stream", "--max-actor-restarts", "0", "--no-wandb", "--timeout", "120"]
+STREAM = ["--schedule", "stream", "--no-wandb", "--timeout", "120"]
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -84,3 +89,28 @@ def test_a_resumed_stream_run_trains_no_row_twice_in_the_epoch(tmp_path):
     rows = [index for record in before + after for index in record["train/data_indices"]]
     assert len(rows) == 4 * 8 and len(set(rows)) == len(rows), "a row was trained twice in the epoch"
     assert all(record["schedule/step_staleness_max"] <= 1 for record in after)
+
+
+def test_a_producer_killed_mid_run_is_restarted_and_its_rows_generated_again(tmp_path):
+    marker, log = new_marker(), tmp_path / "run.log"
+    command = [sys.executable, "rl_example.py", *SMALL, *STREAM, "-sd", str(tmp_path / "run"), "--max-steps", "8"]
+    with log.open("w") as output:
+        run = subprocess.Popen(command, cwd=REPO, env=marked_env(marker), stdout=output, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while "optimizer steps:" not in log.read_text() or not actor_pids(marker, "ProducerActor"):
+                assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            os.kill(min(actor_pids(marker, "ProducerActor")), signal.SIGKILL)
+            assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
+        finally:
+            if run.poll() is None:
+                run.kill()
+    text = log.read_text()
+    assert "died and was restarted (1 of --max-actor-restarts 2)" in text
+    (run_dir,) = list((tmp_path / "run").iterdir())
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["faults/producer_restarts"] for r in records if r["kind"] == "faults"] == [1]
+    train = assert_streamed(records, steps=8, max_staleness=1)
+    assert "lost with its producer: its rows are handed out again" in text
+    assert train[-1]["schedule/groups_requeued"] > 0

@@ -98,7 +98,7 @@ FLAG_PROBES = {
     "eval_samples": (["--eval-temperature", "0.7", "--eval-samples", "4"], "generation.eval_samples"),
     "enable_profiling": (["--enable_profiling"], "run.enable_profiling"),
     "max_steps": (["--max-steps", "7"], "schedule.max_steps"),
-    "schedule": (["--schedule", "stream", "--max-actor-restarts", "0"], "schedule.mode"),
+    "schedule": (["--schedule", "stream"], "schedule.mode"),
     "max_staleness": (["--max-staleness", "2"], "schedule.max_staleness"),
     "sync_every_steps": (["--sync-every-steps", "2"], "schedule.sync_every_steps"),
     "seed": (["--seed", "3"], "run.seed"),

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rl_example.py is
 
 from rl_example import UsageError, config_from_args, parse_args  # noqa: E402
 
-STREAM = ["--schedule", "stream", "--max-actor-restarts", "0"]
+STREAM = ["--schedule", "stream"]
 
 
 def config_of(argv: list[str]):
@@ -48,7 +48,6 @@ def test_unknown_schedule_is_refused_by_the_parser():
         ([*STREAM, "--sync-every-steps", "3"], "^--max-staleness: must be >= sync_every_steps - 1 = 2 in stream"),
         ([*STREAM, "-pp", "2", "-t", "2"], "^--schedule: stream does not support pipeline parallelism yet"),
         ([*STREAM, "--ppo-epochs", "2"], "^--schedule: stream does not support several passes"),
-        (["--schedule", "stream"], "^--schedule: stream does not support producer restarts yet: use --max-actor"),
     ],
 )
 def test_unsupported_or_bad_stream_settings_fail_in_one_line_naming_the_flag(argv, message):
