@@ -1,0 +1,49 @@
+"""The streaming driver loop's pure parts (``colossal_rl/stream_loop.py``): how many steps a run has, the
+scheduler settings a config makes, and a step's schedule metrics. The loop itself runs in
+tests/e2e/test_streaming_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, ScheduleConfig, TrainConfig
+from colossal_rl.data import DataError
+from colossal_rl.schedule.events import StepOrder, TrainGroup
+from colossal_rl.stream_loop import step_metrics, stream_settings, stream_total_steps
+
+
+def config(**schedule) -> RLConfig:
+    return RLConfig(
+        generation=GenerationConfig(microbatch_size=4),
+        train=TrainConfig(batch_size=4, minibatch_size=4),
+        parallel=ParallelConfig(num_trainers=2),
+        schedule=ScheduleConfig(mode="stream", num_producers=2, inference_batch_size=8, **schedule),
+    )
+
+
+def test_total_steps_are_every_episode_in_whole_steps_at_most_max_steps():
+    assert stream_total_steps(config(), 100) == 100 // 8
+    assert stream_total_steps(config(num_episodes=3), 100) == 300 // 8
+    assert stream_total_steps(config(num_episodes=3, max_steps=5), 100) == 5
+    with pytest.raises(DataError, match="7 prompts, fewer than one optimizer step trains"):
+        stream_total_steps(config(), 7)
+
+
+def test_settings_take_chunks_of_the_generate_micro_batch_and_steps_over_every_dp_rank():
+    settings = stream_settings(config(max_staleness=3, sync_every_steps=2, num_episodes=2), total_steps=9)
+    assert (settings.prompts_per_chunk, settings.groups_per_step, settings.num_producers) == (4, 8, 2)
+    assert (settings.max_staleness, settings.sync_every_steps, settings.num_episodes) == (3, 2, 2)
+    assert settings.total_steps == 9
+
+
+def test_step_metrics_histogram_of_staleness():
+    groups = tuple(TrainGroup(0, 0, row, version, 10, row) for row, version in enumerate([5, 4, 4, 3]))
+    metrics = step_metrics(StepOrder(step=5, trainer_version=5, groups=groups, dropped_stale=2))
+    assert metrics == {
+        "schedule/step_staleness_0": 1.0,
+        "schedule/step_staleness_1": 2.0,
+        "schedule/step_staleness_2": 1.0,
+        "schedule/step_staleness_max": 2.0,
+        "schedule/step_dropped_stale": 2.0,
+        "schedule/trainer_version": 5.0,
+    }
