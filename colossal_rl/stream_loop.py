@@ -138,6 +138,13 @@ class StreamLoop:
                 break
             self._answer(self._wait_one(), progress)
         progress.close()
+        if driver.step < self.total_steps:
+            logger.warning(
+                "stream schedule: the prompts of -e %d episode(s) ran out after %d of %d optimizer steps (%d groups "
+                "filtered by dynamic sampling, %d dropped as stale); raise -e for more",
+                self.config.schedule.num_episodes, driver.step, self.total_steps,
+                self.scheduler.counters.filtered_groups, self.scheduler.counters.dropped_stale_groups,
+            )  # fmt: skip
         driver._collect_profile()
         if self.config.run.final_export:
             driver.export_final_model()
