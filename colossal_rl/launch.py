@@ -371,7 +371,8 @@ class Driver:
         train_calls = self.trainers.train_round(round_index, self.buffer, sample_step)
         trained, produced = self._gather(train_calls, self.pending.take_round(round_index))
         if not self.trace.reported:
-            self._report_startup(round_index, produced)
+            arrivals = ray.get(self.buffer.arrival_times.remote(round_index), timeout=self.timeout)
+            self._report_startup(arrivals, [metrics.get("time/produce_s") for metrics in produced])
         self._log_eval_before()
         self._log_round(trained, produced, progress)
 
@@ -413,14 +414,16 @@ class Driver:
             progress.set_postfix(reward=f"{merged['train/reward']:.3f}", loss=f"{merged['train/loss']:.4f}")
 
     # ------------------------------------------------------------------ start-up report and profile
-    def _report_startup(self, round_index: int, producer_metrics: list[dict]) -> None:
-        """Log and write (``startup.json``) where the time to this run's first round of rollouts went."""
+    def _report_startup(self, arrivals: dict[int, float], produce_seconds: list[float | None]) -> None:
+        """Log and write (``startup.json``) where the time to this run's first round of rollouts went (the stream
+        schedule: every producer's first chunk). ``arrivals``: producer rank -> when its rollouts arrived (wall
+        clock); ``produce_seconds``: per producer, how long generating them took."""
         report = first_round_report(
             origin=self.trace.origin,
             driver=self.trace.phases.drain(),
             actors=self.trace.actors,
-            arrivals=ray.get(self.buffer.arrival_times.remote(round_index), timeout=self.timeout),
-            produce_seconds=[metrics.get("time/produce_s") for metrics in producer_metrics],
+            arrivals=arrivals,
+            produce_seconds=produce_seconds,
             now=time.time(),
         )
         report.write(self.run_dir)

@@ -125,6 +125,7 @@ class StreamLoop:
         self._unanswered: set = set()  # refs of waited-on calls not seen finished yet
         self.busy = BusyTime()
         self.eval_before_ordered = False
+        self._first_chunks: dict[int, tuple[float, float | None]] = {}  # producer -> (arrival, generating seconds)
         logger.info("stream schedule: %s", self.scheduler.settings)
 
     # ------------------------------------------------------------------ the loop
@@ -284,7 +285,8 @@ class StreamLoop:
             retained = [ref for refs in results[: len(self.driver.trainers)] for ref in refs]
             if retained:  # with --max-actor-restarts: what a restarted producer is given
                 self.driver.sync.retained_weights = retained
-            self.driver.metrics.log("sync", self.driver.step, {"time/sync_s": time.perf_counter() - item.submitted_at})
+            elapsed = time.perf_counter() - item.submitted_at  # from its order: behind queued chunks and a step
+            self.driver.metrics.log("sync", item.subject, {"time/sync_s": elapsed})  # at the step of its weights
         else:
             self._eval_done(item.subject, results)
 
@@ -294,8 +296,19 @@ class StreamLoop:
             self.chunks[order.chunk_id] = result
         self.scheduler.chunk_done(order.chunk_id, list(result.groups))
         self.busy.producing_s += result.metrics.get("time/produce_s", 0.0)
+        self._note_first_chunk(result)
         metrics = result.metrics | {"producer": result.producer_rank, "schedule/chunk": order.chunk_id}
         self.driver.metrics.log("rollout", self.driver.step, metrics)
+
+    def _note_first_chunk(self, result: ChunkResult) -> None:
+        """The start-up report (``startup.json``) once every producer delivered its first chunk."""
+        if self.driver.trace.reported:
+            return
+        self._first_chunks.setdefault(result.producer_rank, (time.time(), result.metrics.get("time/produce_s")))
+        num_producers = self.config.schedule.num_producers
+        if len(self._first_chunks) == num_producers:
+            arrivals = {rank: arrived for rank, (arrived, _) in self._first_chunks.items()}
+            self.driver._report_startup(arrivals, [self._first_chunks[rank][1] for rank in range(num_producers)])
 
     def _step_done(self, step: StepOrder, results: list[StepResult], progress) -> None:
         self.scheduler.step_done()

@@ -51,6 +51,9 @@ def assert_streamed(records: list[dict], *, steps: int, max_staleness: int) -> l
 
 def test_stream_run_trains_every_step_within_the_staleness_bound(tmp_path):
     _, records = run_stream(tmp_path, "--max-steps", "4", "-ei", "2")
+    (run_dir,) = list(tmp_path.iterdir())
+    assert (run_dir / "startup.json").is_file()
+    assert [r["time/first_rollout_s"] > 0 for r in records if r["kind"] == "startup"] == [True]
     train = assert_streamed(records, steps=4, max_staleness=1)
     assert any(record["schedule/step_staleness_max"] == 1 for record in train)  # it did run ahead
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2, 4]
