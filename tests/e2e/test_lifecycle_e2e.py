@@ -1,5 +1,5 @@
 """Run lifecycle end to end through ``rl_example.py``: exact resume after ``kill -9``, HF export, eval and
-rollout files, a producer killed mid-run restarted with its rounds regenerated exactly, killed more often
+rollout files, the profile and every plot, a producer killed mid-run restarted with its rounds regenerated exactly, killed more often
 than allowed ending the run (message naming it), and a killed trainer ending it with the resume command.
 
 Determinism makes the resume check exact: rows per round are a pure function of (seed, round,
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from png_checks import PLOT_CURVES, assert_pngs
 from run_processes import actor_pids, marked_env, new_marker
 
 from colossal_rl.metrics import read_metrics
@@ -55,6 +56,8 @@ def command(save_dir: Path, *extra: str) -> list[str]:
         "120",
         "--warmup-steps",
         str(WARMUP_STEPS),
+        "-kl",
+        "0.01",  # a reference model whose KL term the resumed steps reproduce too (and the plots' KL curve)
         "-sd",
         str(save_dir),
         *extra,
@@ -296,6 +299,25 @@ def test_profile_has_every_actors_phases_and_renders(uninterrupted):
     assert "producer 0" in done.stderr and "generate" in done.stderr
     with Image.open(uninterrupted / "plots" / "profile_timeline.png") as image:
         image.verify()
+
+
+def test_plots_of_the_uninterrupted_profiled_run(uninterrupted, tmp_path):
+    """``python -m colossal_rl.plot`` on a real profiled run (Ray, two actors): every curve and the timeline."""
+    from colossal_rl.plot import series
+
+    run_dir = tmp_path / uninterrupted.name
+    shutil.copytree(uninterrupted, run_dir)  # the plots are written into the run: leave the shared run as it was
+    shutil.rmtree(run_dir / "plots", ignore_errors=True)
+    done = subprocess.run([sys.executable, "-m", "colossal_rl.profiling", str(run_dir)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, "-m", "colossal_rl.plot", str(run_dir)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert series(records, "train/kl")[0], "the run logged no KL (-kl 0.01)"
+    entropy = {"entropy"} if series(records, "train/entropy")[0] else set()
+    assert_pngs(run_dir / "plots", PLOT_CURVES | entropy | {"profile_timeline"})
 
 
 def test_a_producer_killed_more_often_than_allowed_ends_the_run_naming_it(tmp_path):
