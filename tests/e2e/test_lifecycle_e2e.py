@@ -161,24 +161,11 @@ class Run:
         return pid
 
 
-def test_a_killed_producer_is_restarted_and_the_run_trains_as_if_undisturbed(uninterrupted, dropout_model, tmp_path):
-    """Elastic producers: the restarted producer gets the last synced weights back and regenerates its lost
-    rounds, so every step trains the same samples to the same metrics as the undisturbed run."""
-    save_dir = tmp_path / "elastic"
-    run = Run(command(save_dir, "-m", dropout_model, "--max-actor-restarts", "2"))
-    run.kill_a_producer_while_training()
-    assert run.finish(timeout_s=500) == 0, run.output[-3000:]
-    assert "died and was restarted (1 of --max-actor-restarts 2)" in run.output
-    records = read_metrics(run_dir_in(save_dir) / "metrics.jsonl")
-    assert [r["faults/producer_restarts"] for r in records if r["kind"] == "faults"] == [1]
-    got, expected = train_records(run_dir_in(save_dir)), train_records(uninterrupted)
-    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
-    assert_trained_alike(expected, got, range(1, STEPS + 1))
-
-
 def test_a_producer_killed_again_right_after_its_restart_is_restarted_again(uninterrupted, dropout_model, tmp_path):
-    """A second kill lands as the restarted producer is being given its weights back (or just after): with
-    restarts left it is restarted again, given the weights again, and the run still trains as undisturbed."""
+    """Elastic producers: a producer killed while training is restarted, gets the last synced weights back and
+    regenerates its lost rounds; a second kill lands as the restarted producer is being given its weights back (or
+    just after): with restarts left it is restarted again, given the weights again. Every step trains the same
+    samples to the same metrics as the undisturbed run."""
     save_dir = tmp_path / "twice"
     run = Run(command(save_dir, "-m", dropout_model, "--max-actor-restarts", "3"))
     first = run.kill_a_producer_while_training()
@@ -187,6 +174,9 @@ def test_a_producer_killed_again_right_after_its_restart_is_restarted_again(unin
     os.kill(second, signal.SIGKILL)
     assert run.finish(timeout_s=500) == 0, run.output[-3000:]
     assert "died and was restarted (2 of --max-actor-restarts 3)" in run.output
+    faults = [r["faults/producer_restarts"] for r in read_metrics(run_dir_in(save_dir) / "metrics.jsonl")
+              if r["kind"] == "faults"]  # fmt: skip
+    assert faults in ([1, 2], [2]), faults  # the second death may be repaired with the first
     got, expected = train_records(run_dir_in(save_dir)), train_records(uninterrupted)
     assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
     assert_trained_alike(expected, got, range(1, STEPS + 1))
