@@ -52,18 +52,18 @@ def preset_config(name: str, save_dir: str) -> RLConfig:
     return config
 
 
-def train_preset(config: RLConfig) -> list[dict]:
-    """Rounds until ``REQUESTED_STEPS`` optimizer steps are trained (at most ``MAX_ROUNDS``); each step's metrics."""
+def train_preset(config: RLConfig, scorer) -> list[dict]:
+    """Rounds until ``REQUESTED_STEPS`` optimizer steps are trained (at most ``MAX_ROUNDS``); each step's metrics.
+    ``scorer``: the math reward scorer, shared (its worker process starts once, not once per preset)."""
     from trainer_harness import make_trainer
 
     from colossal_rl.batch import concat_batches
     from colossal_rl.comm.buffer import RoundBuffer
-    from colossal_rl.reward import build_reward_scorer
     from colossal_rl.rollout.producer import Producer
 
     config = resolve(config)  # as run_training gives it
     n_behind = config.schedule.n_behind
-    producer = Producer(0, config, build_reward_scorer(reward_type=config.reward.reward_type))
+    producer = Producer(0, config, scorer)
     trainer = make_trainer(config)
     trainer.set_total_steps(REQUESTED_STEPS)  # the LR schedule's end, as the driver sets it for ROUNDS rounds
     buffer = RoundBuffer(num_producers=1, dp_size=1, groups_per_step=config.train.batch_size, n_behind=n_behind)
@@ -74,37 +74,40 @@ def train_preset(config: RLConfig) -> list[dict]:
         buffer.put(round_index, 0, batch, groups, producer.policy_version)
 
     records: list[dict] = []
-    try:
-        for round_index in range(n_behind + 1):
-            produce(round_index)
-        for round_index in range(MAX_ROUNDS):
-            assignment = buffer.take(round_index, 0, trainer.policy_version)
-            per_step = config.train.batch_size
-            steps = [
-                concat_batches(
-                    [g.payload.select_groups([g.group_index]) for g in assignment.groups[s : s + per_step]],
-                    trainer.pad_token_id,
-                )
-                for s in range(0, assignment.num_steps * per_step, per_step)
-            ]
-            for metrics, batch in trainer.train_epochs(steps, round_index):
-                records.append(metrics | {"train/reward": float(batch.rewards.mean())})
-            trainer.policy_version = round_index + 1
-            producer.load_weights(round_index + 1, trainer.stage_state_dict())
-            if len(records) >= REQUESTED_STEPS and round_index + 1 >= ROUNDS:
-                break
-            if round_index + 1 + n_behind < MAX_ROUNDS:
-                produce(round_index + 1 + n_behind)
-    finally:
-        producer.reward_scorer.close()
+    for round_index in range(n_behind + 1):
+        produce(round_index)
+    for round_index in range(MAX_ROUNDS):
+        assignment = buffer.take(round_index, 0, trainer.policy_version)
+        per_step = config.train.batch_size
+        steps = [
+            concat_batches(
+                [g.payload.select_groups([g.group_index]) for g in assignment.groups[s : s + per_step]],
+                trainer.pad_token_id,
+            )
+            for s in range(0, assignment.num_steps * per_step, per_step)
+        ]
+        for metrics, batch in trainer.train_epochs(steps, round_index):
+            records.append(metrics | {"train/reward": float(batch.rewards.mean())})
+        trainer.policy_version = round_index + 1
+        producer.load_weights(round_index + 1, trainer.stage_state_dict())
+        if len(records) >= REQUESTED_STEPS and round_index + 1 >= ROUNDS:
+            break
+        if round_index + 1 + n_behind < MAX_ROUNDS:
+            produce(round_index + 1 + n_behind)
     return records
 
 
 @pytest.fixture(scope="module")
 def trained() -> dict[str, list[dict]]:
+    from colossal_rl.reward import build_reward_scorer
+
     names = sorted(PRESETS.names())
     assert set(names) == {"GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO", "ONLINE_DPO"}
-    return {name: train_preset(preset_config(name, "unused")) for name in names}
+    scorer = build_reward_scorer(reward_type="boxed")
+    try:
+        return {name: train_preset(preset_config(name, "unused"), scorer) for name in names}
+    finally:
+        scorer.close()
 
 
 def test_every_preset_trains_its_requested_steps(trained):
