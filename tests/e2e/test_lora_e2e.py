@@ -1,9 +1,9 @@
 """LoRA end to end through ``rl_example.py`` on the embedded model.
 
-ZeRO-1 on two trainers: two steps with a checkpoint per step, then a run resumed from the first checkpoint trains
-step 2 again and must train it exactly as the uninterrupted run did. DDP on one trainer, with the weights going
-through the ``files`` weight-sync mode: trains, and the export holds merged weights and the adapter alone.
-Both assert the weight sync moved only adapters, at most 5 % of the full model's bytes.
+ZeRO-1 on two trainers, the weights going to the producer through the ``files`` weight-sync mode: two steps with a
+checkpoint per step, the export holding merged weights and the adapter alone; then a run resumed from the first
+checkpoint trains step 2 again and must train it exactly as the uninterrupted run did. The weight sync moves only
+adapters, at most 5 % of the full model's bytes. (DDP LoRA, on one trainer, runs in ``tests/vllm_engine``.)
 """
 
 from __future__ import annotations
@@ -45,12 +45,18 @@ def train_records(save_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
 
 
-def test_lora_zero1_trains_and_resumes_exactly(tmp_path: Path):
-    zero1 = ("-t", "2", "-zero", "1", "-tbs", "8", "-tMbs", "8", "-si", "1")
+def test_lora_zero1_through_files_sync_resumes_exactly_and_exports_merged_weights(tmp_path: Path):
+    from peft import PeftConfig
+    from transformers import AutoModelForCausalLM
+
+    zero1 = ("-t", "2", "-zero", "1", "-tbs", "8", "-tMbs", "8", "-si", "1", "--weight-sync-mode", "files")
     first = run(tmp_path / "first", 2, *zero1)
     assert first.returncode == 0, first.stderr[-3000:]
     assert synced_fraction(first.stderr) <= 0.05
     (run_dir,) = list((tmp_path / "first").iterdir())
+    assert [r["step"] for r in train_records(tmp_path / "first")] == [1, 2]
+    AutoModelForCausalLM.from_pretrained(run_dir / "final")  # plain weights: no adapter keys left
+    assert PeftConfig.from_pretrained(str(run_dir / "final" / "adapter")).r == 4
 
     resumed = run(tmp_path / "resumed", 2, *zero1, "-cp", str(run_dir / "checkpoints" / "step_000001"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -58,16 +64,3 @@ def test_lora_zero1_trains_and_resumes_exactly(tmp_path: Path):
     uninterrupted, again = train_records(tmp_path / "first")[1], train_records(tmp_path / "resumed")[0]
     assert again["step"] == uninterrupted["step"] == 2
     assert {k: again[k] for k in COMPARED} == {k: uninterrupted[k] for k in COMPARED}
-
-
-def test_lora_ddp_through_files_sync_exports_merged_weights_and_the_adapter(tmp_path: Path):
-    from peft import PeftConfig
-    from transformers import AutoModelForCausalLM
-
-    result = run(tmp_path, 2, "--weight-sync-mode", "files")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert synced_fraction(result.stderr) <= 0.05
-    (run_dir,) = list(tmp_path.iterdir())
-    assert [r["step"] for r in train_records(tmp_path)] == [1, 2]
-    AutoModelForCausalLM.from_pretrained(run_dir / "final")  # plain weights: no adapter keys left
-    assert PeftConfig.from_pretrained(str(run_dir / "final" / "adapter")).r == 4

@@ -1,26 +1,36 @@
-"""Every --algo preset trains end to end on the embedded model (one Ray session for all), and trains as itself.
+"""Every --algo preset trains on the embedded model through the real producer, round buffer and trainer, and trains as
+itself — in this process, one preset after another (no actors to start per preset).
 
-Each run has two optimizer steps per round (8 prompts sampled, 4 per step), so the second step of every
-round trains with pi_old = the round's starting policy and a ratio != 1: that is where the presets' losses
-differ (at ratio 1 GRPO's and GSPO's losses and gradients coincide). Checked: every preset trains at least
-the steps it asks for — DAPO included, whose dynamic sampling may leave a round short of a step, so its
-run continues round by round up to ``MAX_ROUNDS`` — with finite losses, and no two presets train
-bit-identically.
+The pieces are the ones a run's actors hold: ``Producer`` (transformers backend, the preset's scoring and
+post-processing), ``RoundBuffer`` (DAPO's short rounds carried over) and ``Trainer`` (world size 1 over gloo), driven
+by the driver's round schedule with ``n_behind`` 1: rounds 0 and 1 are generated with version 0, round ``r`` is
+trained, its weights go to the producer as version ``r + 1``, then round ``r + 2`` is generated. What Ray adds (the
+actors, the object store, the weight-sync group) is the same for every preset and runs end to end in the other
+modules here.
+
+Each run has two optimizer steps per round (8 prompts sampled, 4 per step), so the second step of every round trains
+with pi_old = the round's starting policy and a ratio != 1: that is where the presets' losses differ (at ratio 1
+GRPO's and GSPO's losses and gradients coincide). Checked: every preset trains at least the steps it asks for — DAPO
+included, whose dynamic sampling may leave a round short of a step, so its run continues round by round up to
+``MAX_ROUNDS`` — with finite losses, and no two presets train bit-identically.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
 from colossal_rl.config import GenerationConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
 from colossal_rl.config_resolve import resolve
-from colossal_rl.metrics import MetricsLogger, read_metrics
 from colossal_rl.presets import PRESETS, algorithm_preset
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # trainer_harness: the in-process trainer
+
+pytestmark = [pytest.mark.slow]
 
 ROUNDS = 2
 STEPS_PER_ROUND = 2
@@ -42,38 +52,62 @@ def preset_config(name: str, save_dir: str) -> RLConfig:
     return config
 
 
-def train_preset(config: RLConfig) -> list[dict]:
-    """Rounds until ``REQUESTED_STEPS`` optimizer steps are trained (at most ``MAX_ROUNDS``); the train records."""
-    from colossal_rl.launch import Driver, init_ray, make_run_dir
+def train_preset(config: RLConfig, scorer) -> list[dict]:
+    """Rounds until ``REQUESTED_STEPS`` optimizer steps are trained (at most ``MAX_ROUNDS``); each step's metrics.
+    ``scorer``: the math reward scorer, shared (its worker process starts once, not once per preset)."""
+    from trainer_harness import make_trainer
 
-    init_ray(config)
-    run_dir = make_run_dir(config)
-    metrics = MetricsLogger(run_dir, config.run.project, {}, use_wandb=False)
-    driver = Driver(resolve(config), run_dir, metrics)  # as run_training gives it
-    try:
-        driver.start()
-        rounds = ROUNDS
-        driver.run(rounds=rounds)
-        while driver.step < REQUESTED_STEPS and rounds < MAX_ROUNDS:
-            rounds += 1
-            driver.run(rounds=rounds)
-    finally:
-        driver.shutdown()
-        metrics.close()
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    from colossal_rl.batch import concat_batches
+    from colossal_rl.comm.buffer import RoundBuffer
+    from colossal_rl.rollout.producer import Producer
+
+    config = resolve(config)  # as run_training gives it
+    n_behind = config.schedule.n_behind
+    producer = Producer(0, config, scorer)
+    trainer = make_trainer(config)
+    trainer.set_total_steps(REQUESTED_STEPS)  # the LR schedule's end, as the driver sets it for ROUNDS rounds
+    buffer = RoundBuffer(num_producers=1, dp_size=1, groups_per_step=config.train.batch_size, n_behind=n_behind)
+
+    def produce(round_index: int) -> None:
+        batch, _ = producer.produce(round_index)
+        groups = 0 if batch is None else batch.num_groups
+        buffer.put(round_index, 0, batch, groups, producer.policy_version)
+
+    records: list[dict] = []
+    for round_index in range(n_behind + 1):
+        produce(round_index)
+    for round_index in range(MAX_ROUNDS):
+        assignment = buffer.take(round_index, 0, trainer.policy_version)
+        per_step = config.train.batch_size
+        steps = [
+            concat_batches(
+                [g.payload.select_groups([g.group_index]) for g in assignment.groups[s : s + per_step]],
+                trainer.pad_token_id,
+            )
+            for s in range(0, assignment.num_steps * per_step, per_step)
+        ]
+        for metrics, batch in trainer.train_epochs(steps, round_index):
+            records.append(metrics | {"train/reward": float(batch.rewards.mean())})
+        trainer.policy_version = round_index + 1
+        producer.load_weights(round_index + 1, trainer.stage_state_dict())
+        if len(records) >= REQUESTED_STEPS and round_index + 1 >= ROUNDS:
+            break
+        if round_index + 1 + n_behind < MAX_ROUNDS:
+            produce(round_index + 1 + n_behind)
+    return records
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict[str, list[dict]]:
-    import ray
+def trained() -> dict[str, list[dict]]:
+    from colossal_rl.reward import build_reward_scorer
 
     names = sorted(PRESETS.names())
     assert set(names) == {"GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO", "ONLINE_DPO"}
-    save_dir = str(tmp_path_factory.mktemp("presets"))
+    scorer = build_reward_scorer(reward_type="boxed")
     try:
-        return {name: train_preset(preset_config(name, save_dir)) for name in names}
+        return {name: train_preset(preset_config(name, "unused"), scorer) for name in names}
     finally:
-        ray.shutdown()
+        scorer.close()
 
 
 def test_every_preset_trains_its_requested_steps(trained):

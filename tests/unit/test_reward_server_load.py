@@ -237,8 +237,11 @@ def test_short_request_behind_a_big_one_scores_correct():
 
 @pytest.mark.slow
 def test_200_clients_no_resets_every_program_scored_right():
+    """200 clients released together, each sending two requests one after the other (a second request behind a
+    full queue): no connection reset, every answer 200, every program scored right. Throughput and latency under
+    more requests are measured by ``benchmarks/verifier_server_load.py``, not here."""
     with verifier_server("--timeout-s", "5") as url:
-        summary = summarize(run_load(url, clients=200, requests=5), wall_s=0.0)
-    assert summary.resets == 0 and summary.statuses == {"200": 1000}, summary
-    assert summary.right_scored_right == summary.right_total == 750, summary
-    assert summary.wrong_scored_wrong == summary.wrong_total == 250, summary
+        summary = summarize(run_load(url, clients=200, requests=2), wall_s=0.0)
+    assert summary.resets == 0 and summary.statuses == {"200": 400}, summary
+    assert summary.right_scored_right == summary.right_total == 300, summary
+    assert summary.wrong_scored_wrong == summary.wrong_total == 100, summary
