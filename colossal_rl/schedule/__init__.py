@@ -1,7 +1,7 @@
 """Rollout schedules as plain state machines: a driver reports events, the schedule returns decisions.
 
-Nothing here waits, talks to actors or imports ray or torch; the driver (``launch.py``) and the simulator
-(``benchmarks/schedule_simulator.py``) drive the same classes.
+Nothing here waits, talks to actors or imports ray or torch; the driver's stream loop (``stream_loop.py``,
+``--schedule stream``) and the simulator (``benchmarks/schedule_simulator.py``) drive the same classes.
 
   events.py     what crosses the interface: chunk and step orders, finished groups, the Scheduler protocol
   prompts.py    the epoch order of prompt rows: handed out once per epoch, re-queued rows first
