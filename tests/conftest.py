@@ -13,9 +13,23 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+LONGEST_FIRST = ("tests/e2e/", "tests/vllm_engine/", "tests/dist/")
+"""Directories whose files run longest, in the order their files are handed to the xdist workers: the long files
+first and the many short unit files last, so the two workers end together instead of one waiting on the last long
+file (the vLLM files start after the e2e ones, by when the background build of their environment is done)."""
+
+
+def longest_first(item) -> int:
+    for position, prefix in enumerate(LONGEST_FIRST):
+        if item.nodeid.startswith(prefix):
+            return position
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    items.sort(key=longest_first)  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
