@@ -272,33 +272,40 @@ class Driver:
             try:
                 return gather_groups(groups, self.timeout)
             except RunFailed as failure:
-                if failure.any_died(TrainerGroup.kind):
-                    raise RunFailed(f"{failure}; {resume_hint(self.run_dir)}", failure.outcomes) from None
                 calls = [call for group in groups for call in group]
-                restarted = self.restarts.restarted(failure, calls, whole_sync=remake)
+                restarted = self.restarted_producers(failure, calls, whole_sync=remake)
                 retries_without_restart = 0 if restarted else retries_without_restart + 1
                 if retries_without_restart > 2:  # failing again with nobody restarted: not a producer death
                     raise
-                self._recover_producers(restarted)
+                self._redo_lost_rounds(restarted)
             if remake:
                 self._form_weight_sync(retain=False)
                 groups = make()
             else:
                 groups = [redo_lost(group) for group in groups]
 
-    def _recover_producers(self, ranks: list[int]) -> None:
-        """Give restarted producers the last synced version's weights and re-issue what they lost; the sync
-        group is formed again before the next sync."""
+    def restarted_producers(self, failure: RunFailed, calls: list, *, whole_sync: bool) -> list[int]:
+        """The producers Ray restarted after ``failure`` (both schedules' recovery starts here), given back the last
+        synced version's weights; the sync group is formed again before the next sync. A dead trainer ends the run
+        (its sharded state cannot be rebuilt in place) with the command that resumes from the last checkpoint."""
+        if failure.any_died(TrainerGroup.kind):
+            raise RunFailed(f"{failure}; {resume_hint(self.run_dir)}", failure.outcomes) from None
+        restarted = self.restarts.restarted(failure, calls, whole_sync=whole_sync)
+        if restarted:
+            self.restarts.restore_weights(restarted, self.progress.policy_version, self.sync.retained_weights)
+            self.sync.stale = True
+            self.metrics.log("faults", self.step, {"faults/producer_restarts": self.restarts.total})
+        return restarted
+
+    def _redo_lost_rounds(self, ranks: list[int]) -> None:
+        """Re-issue what restarted producers lost (the round schedule's calls)."""
         if not ranks:
             return
-        self.restarts.restore_weights(ranks, self.progress.policy_version, self.sync.retained_weights)
         # Every call the dead process had not finished is made again now, before any later sync: the rounds it
         # was asked for need exactly these weights (each was submitted after the last completed sync).
         outstanding = [c.ref for c in self.pending.outstanding() if c.actor.rank in ranks]
         ray.wait(outstanding, num_returns=len(outstanding), timeout=min(30.0, self.timeout))
         self.pending.redo_lost()
-        self.sync.stale = True
-        self.metrics.log("faults", self.step, {"faults/producer_restarts": self.restarts.total})
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING, Any
 import ray
 from tqdm import tqdm
 
-from colossal_rl.actor_groups import Calls, RunFailed, TrainerGroup, call_outcome, gather
+from colossal_rl.actor_groups import Calls, RunFailed, call_outcome, gather
 from colossal_rl.actor_messages import ChunkResult, StepResult
 from colossal_rl.comm.buffer import GroupRef
 from colossal_rl.comm.token_balance import step_shares
-from colossal_rl.launch import resume_hint
 from colossal_rl.metrics import merge_rank_step_metrics
 from colossal_rl.producer_restarts import redo_lost
 from colossal_rl.run_checkpoints.save_and_resume import save_run
@@ -238,15 +237,8 @@ class StreamLoop:
         they lost is dealt with: a chunk's rows are handed out again (``chunk_lost``), an eval's calls made again,
         a sync made again whole on a newly formed sync group. A dead trainer, or a failure that is no producer
         death, ends the run (with the resume command)."""
-        driver = self.driver
-        if failure.any_died(TrainerGroup.kind):
-            raise RunFailed(f"{failure}; {resume_hint(driver.run_dir)}", failure.outcomes) from None
-        restarted = driver.restarts.restarted(failure, item.calls, whole_sync=item.kind == "sync")
-        if restarted:
-            # queued behind every call they had: once it returns, each of those has failed
-            driver.restarts.restore_weights(restarted, driver.progress.policy_version, driver.sync.retained_weights)
-            driver.sync.stale = True
-            driver.metrics.log("faults", driver.step, {"faults/producer_restarts": driver.restarts.total})
+        # the restore is queued behind every call they had: once it returns, each of those has failed
+        restarted = self.driver.restarted_producers(failure, item.calls, whole_sync=item.kind == "sync")
         for waiting in list(self.waiting):
             lost = [call for call in waiting.calls if _lost(call)]
             if waiting.kind == "sync" and (lost or restarted):
