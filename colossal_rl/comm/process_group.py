@@ -10,8 +10,9 @@ different names.
 
 Every collective waits at most ``timeout_s``: a member that never joins or never enters a
 collective makes the others raise ``CollectiveTimeoutError`` rather than hang; a member that dies
-makes them raise ``CollectiveError``. After either, the group is unusable: destroy it and build a
-new one.
+makes them raise ``CollectiveError``: the first member that sees the death leaves the group at once,
+so members waiting on it fail too rather than wait out the timeout. After either, the group is
+unusable: destroy it and build a new one.
 
 Backends. ``Collective`` is the small interface the weight sync is written against; a
 ``StandaloneGroup`` implements it for both backends, which differ in one constructor call
@@ -189,6 +190,7 @@ class StandaloneGroup:
         except RuntimeError as error:
             if "timed out" in str(error).lower() or "timeout" in str(error).lower():
                 raise self._timed_out(what) from error
+            self._release_members()
             raise CollectiveError(f"{self!r}: {what} failed ({error}); a member probably died") from error
 
     def _poll(self, work: dist.Work, what: str) -> None:
@@ -200,6 +202,15 @@ class StandaloneGroup:
                 raise self._timed_out(what)
             time.sleep(pause)
             pause = min(pause * 2, _POLL_PAUSE_S)
+
+    def _release_members(self) -> None:
+        """After a failed collective (a member died), leave the group at once: gloo closes this member's
+        connections, so members still waiting on it (a broadcast tree's subtree below the dead member) fail now
+        instead of waiting out the timeout (``--timeout``, 600 s by default); NCCL aborts its communicator."""
+        if self.backend == "nccl":
+            self._abort()
+        else:
+            self._process_group = None
 
     def _timed_out(self, what: str) -> CollectiveTimeoutError:
         return CollectiveTimeoutError(

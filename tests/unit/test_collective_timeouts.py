@@ -117,6 +117,38 @@ def test_a_gloo_broadcast_to_a_member_that_died_fails_the_same_way():
     assert "broadcast of 8 x torch.uint8 from 0 failed" in str(error)
 
 
+def test_a_member_below_a_dead_one_fails_at_once_instead_of_waiting_out_the_timeout():
+    """gloo broadcasts down a tree: with member 1 dead, the sender fails sending to it and never reaches member 2.
+    The sender leaves the group on that failure, so member 2's receive fails as a member death (CollectiveError),
+    not as a CollectiveTimeoutError after ``timeout_s`` (a run's ``--timeout``: its recovery waited that long)."""
+    port, timeout_s = find_free_port(), 60.0
+
+    def sender():
+        group = create_standalone_group("gloo", 0, 3, "127.0.0.1", port, timeout_s=timeout_s)
+        time.sleep(1.0)  # member 1's process has ended
+        try:
+            group.broadcast(torch.ones(1024), 0)
+        except CollectiveError as error:
+            return error
+        return None
+
+    def dying_member():
+        create_standalone_group("gloo", 1, 3, "127.0.0.1", port, timeout_s=timeout_s)
+        return "left"
+
+    def member_below():
+        group = create_standalone_group("gloo", 2, 3, "127.0.0.1", port, timeout_s=timeout_s)
+        try:
+            group.broadcast(torch.zeros(1024), 0)
+        except CollectiveError as error:
+            return error
+        return None
+
+    sent, _, received = run_members([sender, dying_member, member_below], timeout_s=timeout_s / 2)
+    assert isinstance(sent, CollectiveError), sent
+    assert isinstance(received, CollectiveError) and not isinstance(received, CollectiveTimeoutError), received
+
+
 def test_a_sync_takes_the_restart_copy_before_sending():
     """A send that times out must not leave the host copy behind it: on NCCL a copy queued after a stuck
     broadcast would never run. The copy is taken first (and kept only when the sync completes)."""
