@@ -49,18 +49,6 @@ def assert_streamed(records: list[dict], *, steps: int, max_staleness: int) -> l
     return train
 
 
-def test_stream_run_trains_every_step_within_the_staleness_bound(tmp_path):
-    _, records = run_stream(tmp_path, "--max-steps", "4", "-ei", "2")
-    (run_dir,) = list(tmp_path.iterdir())
-    assert (run_dir / "startup.json").is_file()
-    assert [r["time/first_rollout_s"] > 0 for r in records if r["kind"] == "startup"] == [True]
-    train = assert_streamed(records, steps=4, max_staleness=1)
-    assert any(record["schedule/step_staleness_max"] == 1 for record in train)  # it did run ahead
-    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2, 4]
-    syncs = [r["step"] for r in records if r["kind"] == "sync"]
-    assert syncs == [1, 2, 3, 4]
-
-
 def test_stream_run_with_dynamic_sampling_and_sparser_syncs_still_trains_the_requested_steps(tmp_path):
     _, records = run_stream(
         tmp_path, "-a", "DAPO", "-mnt", "16", "--max-steps", "4", "-ei", "0", "--max-staleness", "2",
@@ -74,13 +62,21 @@ def test_stream_run_with_dynamic_sampling_and_sparser_syncs_still_trains_the_req
     assert filtered > 0, "nothing was filtered: the test does not show the made-up groups"
 
 
-def test_a_resumed_stream_run_trains_no_row_twice_in_the_epoch(tmp_path):
-    """Checkpoint at step 2 of 4 (chunks in flight and groups waiting then), resume from it in a new run: the
-    resumed run trains steps 3 and 4, and the two runs' steps 1-2 and 3-4 together train no row twice."""
+def test_a_stream_run_stays_within_the_staleness_bound_and_resumes_training_no_row_twice(tmp_path):
+    """A 4-step run (eval every 2 steps, a checkpoint at step 2, chunks in flight and groups waiting then) trains
+    every step within the staleness bound, syncs after every step and ran ahead; resumed from its step-2
+    checkpoint in a new run, it trains steps 3 and 4, and the two runs' steps 1-2 and 3-4 train no row twice."""
     import json
 
-    _, first = run_stream(tmp_path / "first", "--max-steps", "4", "-si", "2", "-ei", "0")
+    _, first = run_stream(tmp_path / "first", "--max-steps", "4", "-ei", "2", "-si", "2")
     (run_dir,) = list((tmp_path / "first").iterdir())
+    assert (run_dir / "startup.json").is_file()
+    assert [r["time/first_rollout_s"] > 0 for r in first if r["kind"] == "startup"] == [True]
+    train = assert_streamed(first, steps=4, max_staleness=1)
+    assert any(record["schedule/step_staleness_max"] == 1 for record in train)  # it did run ahead
+    assert [r["step"] for r in first if r["kind"] == "eval"] == [0, 2, 4]
+    assert [r["step"] for r in first if r["kind"] == "sync"] == [1, 2, 3, 4]
+
     checkpoint = run_dir / "checkpoints" / "step_000002"
     snapshot = json.loads((checkpoint / "state.json").read_text())["stream_schedule"]
     assert snapshot["steps_done"] == 2
