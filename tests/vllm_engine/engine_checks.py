@@ -4,7 +4,8 @@ on CPU and write what it returned as JSON, for the trainers' environment to chec
     <producer python> engine_checks.py request.json result.json
 
 Per case: start the engine (or record the one-line start failure), generate sampled, greedy and stop-string rows,
-load the weights file given (the "sync"), generate again with the same seeds, and read the weights back. A case with
+load the weights file given (the "sync"), generate again with the same seeds, and read the weights back; with
+``workers_weights``, a second sync received by the engine's workers, generated from again. A case with
 ``vision_rows`` (a vision-language model) encodes them with the backend's processor, as a producer does, generates
 with their images, writes their processed images (what the trainers would receive) to ``vision_file`` and records
 the installed vLLM's Qwen2.5-VL name mappers; ``language_only_weights`` is a second load without the vision tower
@@ -46,9 +47,10 @@ def generate_all(backend, case: dict, prompts: list[list[int]], vision=None, ima
     return {"sampled": output_to_json(sampled), "greedy": output_to_json(greedy), "stopped": output_to_json(stopped)}
 
 
-def receive_in_workers(backend, weights, tensor_parallel_size: int) -> None:
+def receive_in_workers(backend, weights, tensor_parallel_size: int, version: int = 1) -> None:
     """A sync the way a run makes it with ``--vllm-weight-receive workers``: this process hosts the weight-sync group
-    as its sender (a trainer's part), every engine worker joins it as one of the producer's ranks and receives."""
+    as its sender (a trainer's part), every engine worker joins it as one of the producer's ranks and receives
+    ``version`` (the engine holding ``version - 1``)."""
     import threading
 
     from colossal_rl.comm.process_group import find_free_port
@@ -67,9 +69,9 @@ def receive_in_workers(backend, weights, tensor_parallel_size: int) -> None:
     hosting.start()
     backend.join_weight_sync(routes[0], timeout_s=120.0, transport="torch")
     hosting.join(timeout=150)
-    sending = threading.Thread(target=senders[0].send, args=(weights, 1))
+    sending = threading.Thread(target=senders[0].send, args=(weights, version))
     sending.start()
-    backend.receive_weights(1, loaded_version=0)
+    backend.receive_weights(version, loaded_version=version - 1)
     sending.join(timeout=150)
     senders[0].close()
 
@@ -152,6 +154,9 @@ def run_case(case: dict) -> dict:
         if case.get("lora_names"):
             base = backend.base_weights(set(case["lora_names"]))
             result["lora_base_names"] = sorted(base)
+        if case.get("workers_weights"):  # a second sync, received by the engine's workers themselves
+            receive_in_workers(backend, load_file(case["workers_weights"]), case["tensor_parallel_size"], version=2)
+            result["after_workers"] = generate_all(backend, case, prompts, vision, images)
     if case.get("vision_rows"):
         result["mappers"] = qwen2_5_vl_mappers()
     backend.close()

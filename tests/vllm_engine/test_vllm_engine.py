@@ -5,9 +5,9 @@ One subprocess in the producers' environment (``engine_checks.py``) starts an en
 backend returned; the checks here recompute every behaviour log-prob with the trainer's ``response_logprobs`` at
 the same weights, before and after a weight load into the engine (the proof that a sync reaches it), and check the
 layout contract the transformers backend keeps (group-major rows, EOS/stop string kept, truncation, greedy repeats).
-Models: the embedded Qwen2 (also on 2 tensor-parallel workers: each joins the weight sync, receives and loads its
-shard), a tiny random Qwen3 built here, and a model vLLM's CPU attention refuses (head_dim 16). The embedded Qwen2's
-sync goes through the producer's RPC, the other two are received by the engine's workers themselves.
+Models: the embedded Qwen2 on 2 tensor-parallel workers, synced twice: through the producer's RPC, then received by
+its workers themselves (each joins the weight sync, receives and loads its shard); a tiny random Qwen3 built here,
+received by its worker; and a model vLLM's CPU attention refuses (head_dim 16).
 """
 
 from __future__ import annotations
@@ -65,26 +65,32 @@ def prompts_of(model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engine_run(producer_python, tmp_path_factory):
-    """Models, their weights files, and what the real engine returned for each (one subprocess, one engine at a time)."""
+    """Models, their weights files, and what the real engine returned for each (one subprocess, one engine at a time).
+
+    The embedded Qwen2 runs on 2 tensor-parallel workers and is synced twice: through the producer's RPC (LoRA,
+    restarts, ``--vllm-weight-receive producer``), then received by its workers themselves (each joins the group,
+    receives and loads its shard); Qwen3 once, by its worker. (One engine start per model: they are most of the
+    suite's vLLM time.)"""
     root = tmp_path_factory.mktemp("vllm_engine")
     qwen3 = build_qwen3(root / "qwen3")
     bad = build_head_dim_16(root / "head_dim_16")
-    models = {"qwen2": EMBEDDED_MODEL_DIR, "qwen3": qwen3, "qwen2_tp2": EMBEDDED_MODEL_DIR}
+    models = {"qwen2": EMBEDDED_MODEL_DIR, "qwen3": qwen3}
     weights = {}
-    cases = []
-    for seed, (name, directory) in enumerate(models.items()):
+    for seed, (name, directory) in enumerate([*models.items(), ("qwen2_workers", EMBEDDED_MODEL_DIR)]):
         model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
         weights[name] = perturbed_weights(model, root / f"{name}.safetensors", seed)
-        cases.append({
-            "name": name, "model": str(directory), "prompts": prompts_of(directory), "temperature": TEMPERATURE,
+    cases = [
+        {
+            "name": name, "model": str(models[name]), "prompts": prompts_of(models[name]), "temperature": TEMPERATURE,
             "max_new_tokens": MAX_NEW_TOKENS, "stop_strings": [STOP_STRING], "weights": str(root / f"{name}.safetensors"),
             "lora_names": ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
             "messages": MESSAGES, "decode": DECODED_IDS,
-            "tensor_parallel_size": 2 if name.endswith("_tp2") else 1,
-            # The sync as runs make it by default (each worker joins the group) for Qwen3 and TP=2; through the
-            # producer's RPC (LoRA, restarts, --vllm-weight-receive producer) for the embedded Qwen2.
+            "tensor_parallel_size": 2 if name == "qwen2" else 1,
             "receive": "producer" if name == "qwen2" else "workers",
-        })  # fmt: skip
+        }
+        for name in ("qwen2", "qwen3")
+    ]  # fmt: skip
+    cases[0]["workers_weights"] = str(root / "qwen2_workers.safetensors")
     cases.append({"name": "head_dim_16", "model": str(bad), "prompts": prompts_of(bad), "temperature": 1.0,
                   "max_new_tokens": 4, "stop_strings": []})  # fmt: skip
     request, result = root / "request.json", root / "result.json"
@@ -117,26 +123,50 @@ def trainer_logprobs(directory: Path, weights: dict[str, torch.Tensor] | None, o
     return logprobs, rows
 
 
-@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen2_tp2"])
-@pytest.mark.parametrize("phase", ["before", "after"])
-def test_behaviour_logprobs_equal_the_trainers_at_the_same_weights(engine_run, model, phase):
-    weights = engine_run["weights"][model] if phase == "after" else None
-    output = engine_run["results"][model][phase]["sampled"]
+SERVED = {  # (model, generation) -> the weights the engine held then (None: the checkpoint's own)
+    ("qwen2", "before"): None,
+    ("qwen2", "after"): "qwen2",
+    ("qwen2", "after_workers"): "qwen2_workers",
+    ("qwen3", "before"): None,
+    ("qwen3", "after"): "qwen3",
+}
+
+
+def served_weights(engine_run, model: str, generation: str) -> dict[str, torch.Tensor] | None:
+    name = SERVED[(model, generation)]
+    return None if name is None else engine_run["weights"][name]
+
+
+@pytest.mark.parametrize(("model", "generation"), list(SERVED))
+def test_behaviour_logprobs_equal_the_trainers_at_the_same_weights(engine_run, model, generation):
+    output = engine_run["results"][model][generation]["sampled"]
+    weights = served_weights(engine_run, model, generation)
     logprobs, rows = trainer_logprobs(engine_run["models"][model], weights, output, TEMPERATURE)
     mask = rows["response_mask"].bool()
     assert mask.sum() >= 16
     torch.testing.assert_close(rows["behaviour_logprobs"][mask], logprobs[mask], atol=LOGPROB_TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("model", ["qwen2", "qwen3"])
-def test_the_loaded_weights_changed_what_the_engine_computes(engine_run, model):
-    """After the load, the engine's log-probs are the new weights' and no longer the old ones': the sync landed."""
-    after = engine_run["results"][model]["after"]["sampled"]
-    old, rows = trainer_logprobs(engine_run["models"][model], None, after, TEMPERATURE)
+@pytest.mark.parametrize(
+    ("model", "generation", "previous"), [("qwen2", "after", "before"), ("qwen3", "after", "before"),
+                                          ("qwen2", "after_workers", "after")]
+)  # fmt: skip
+def test_the_loaded_weights_changed_what_the_engine_computes(engine_run, model, generation, previous):
+    """After a load, the engine's log-probs are the new weights' and no longer the old ones': the sync landed."""
+    after = engine_run["results"][model][generation]["sampled"]
+    old, rows = trainer_logprobs(engine_run["models"][model], served_weights(engine_run, model, previous), after,
+                                 TEMPERATURE)  # fmt: skip
     mask = rows["response_mask"].bool()
     assert (rows["behaviour_logprobs"][mask] - old[mask]).abs().max() > 100 * LOGPROB_TOLERANCE
-    # vLLM's CPU backend packs linear weights for its kernels: reading them back fails with a clear message
-    assert "only in packed kernel form" in engine_run["results"][model]["read_back"]
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [("qwen3", "only in packed kernel form"), ("qwen2", "named_weights reads one unsharded worker")],
+)
+def test_reading_the_engines_weights_back_fails_with_a_clear_message(engine_run, model, message):
+    """vLLM's CPU backend packs linear weights for its kernels; a tensor-parallel engine holds shards."""
+    assert message in engine_run["results"][model]["read_back"]
 
 
 @pytest.mark.parametrize("model", ["qwen2", "qwen3"])
