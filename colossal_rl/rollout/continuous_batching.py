@@ -40,6 +40,8 @@ class DecodedGroup:
     logprobs: torch.Tensor  # [G, L] behaviour log-probabilities, 0 after a sample ended
     lengths: tuple[int, ...]
     """Tokens each sample generated (its last one the EOS or the stop string's, if it ended so)."""
+    policy_version: int = 0
+    """The batcher's ``policy_version`` when the prompt was admitted: the weights its whole group was sampled with."""
     tag: object = None
     """What the caller attached to the request (``submit``'s ``tag``)."""
 
@@ -49,6 +51,7 @@ class _Request:
     request_id: int
     prompt: list[int]
     tag: object
+    policy_version: int = 0
     tokens: list[list[int]] = field(default_factory=list)  # per sample
     logprobs: list[list[float]] = field(default_factory=list)
     unfinished: int = 0
@@ -161,6 +164,9 @@ class ContinuousBatcher:
         self._batch: _Batch | None = None
         self._request_ids = itertools.count()
         self._sequence_ids = itertools.count()
+        self.policy_version = 0
+        """A label of the weights the model holds, set by whoever loads them (only while :attr:`idle`); every
+        group records it at admission (``DecodedGroup.policy_version``)."""
 
     # ------------------------------------------------------------------ state
     @property
@@ -229,6 +235,7 @@ class ContinuousBatcher:
             request.tokens = [[] for _ in range(self.num_samples)]
             request.logprobs = [[] for _ in range(self.num_samples)]
             request.unfinished = self.num_samples
+            request.policy_version = self.policy_version
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -283,7 +290,7 @@ class ContinuousBatcher:
             ids[sample, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             logprobs[sample, : len(values)] = torch.tensor(values, dtype=torch.float32)
         lengths = tuple(len(tokens) for tokens in request.tokens)
-        return DecodedGroup(request.request_id, ids, logprobs, lengths, request.tag)
+        return DecodedGroup(request.request_id, ids, logprobs, lengths, request.policy_version, request.tag)
 
     def _advance(self) -> None:
         """Feed the surviving rows' sampled tokens through the model: the logits of their next tokens."""
