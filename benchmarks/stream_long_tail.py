@@ -37,7 +37,11 @@ TASKS = {
           "-s", "", "-mnt", "96"],
     "c": ["-a", "DAPO"],
 }  # fmt: skip
-SCHEDULES = {"rounds": ["--schedule", "rounds"], "stream": ["--schedule", "stream", "--continuous-batching"]}
+SCHEDULES = {
+    "rounds": ["--schedule", "rounds"],
+    "stream": ["--schedule", "stream", "--continuous-batching"],
+    "stream_batched": ["--schedule", "stream"],  # without continuous batching: what the schedule alone gives
+}
 COMMON = ["--no-wandb", "--no-final-export", "--max-actor-restarts", "0", "-ei", "0", "--timeout", "600"]
 
 
@@ -70,8 +74,8 @@ def response_lengths(records: list[dict]) -> list[float]:
     return [r["rollout/response_length"] for r in records if r["kind"] == "rollout" and "rollout/response_length" in r]
 
 
-def run_pair(task: str, seed: int, max_steps: int, root: Path) -> dict[str, dict]:
-    dirs = {schedule: root / f"{task}-{schedule}-seed{seed}" for schedule in SCHEDULES}
+def run_pair(task: str, seed: int, max_steps: int, root: Path, schedules: list[str]) -> dict[str, dict]:
+    dirs = {schedule: root / f"{task}-{schedule}-seed{seed}" for schedule in schedules}
     processes = {schedule: start(task, schedule, seed, max_steps, d) for schedule, d in dirs.items()}
     for schedule, process in processes.items():
         if process.wait(timeout=3600) != 0:
@@ -96,6 +100,9 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["b", "c"], choices=sorted(TASKS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument(
+        "--against", choices=["stream", "stream_batched"], default="stream", help="what runs beside rounds"
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs here (default: a temporary dir)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -107,8 +114,8 @@ def main() -> None:
     logger.info("|---|---:|---:|---:|---:|---|---:|")
     for task in args.tasks:
         for seed in args.seeds:
-            result = run_pair(task, seed, args.max_steps, root)
-            rounds, stream = result["rounds"], result["stream"]
+            result = run_pair(task, seed, args.max_steps, root, ["rounds", args.against])
+            rounds, stream = result["rounds"], result[args.against]
             logger.info(
                 "| %s | %d | %.1f | %.1f | %.2fx | %.3f, %.3f | %.2f |", task, seed, rounds["samples_per_s"],
                 stream["samples_per_s"], stream["samples_per_s"] / rounds["samples_per_s"], rounds["eval_after"],
@@ -116,7 +123,7 @@ def main() -> None:
             )  # fmt: skip
     if "b" in args.tasks:
         logger.info("(b) per-group mean response lengths, for schedule_simulator --lengths: %s", length_histogram(root))
-    logger.info("runs in %s", root)
+    logger.info("runs in %s (beside rounds: %s)", root, " ".join(SCHEDULES[args.against]))
 
 
 if __name__ == "__main__":
