@@ -187,14 +187,16 @@ class ProducerGroup(ActorGroup):
     def produce(self, round_index: int, buffer) -> Calls:
         return self._each("produce", lambda actor: actor.produce.remote(round_index, buffer))
 
-    def produce_chunk(self, rank: int, chunk_id: int, rows: list[int], buffer) -> Calls:
-        return self._each("produce_chunk", lambda actor: actor.produce_chunk.remote(chunk_id, rows, buffer), [rank])
+    def produce_chunk(self, rank: int, chunk_id: int, rows: list[int], buffer, min_version: int = 0) -> Calls:
+        return self._each(
+            "produce_chunk", lambda actor: actor.produce_chunk.remote(chunk_id, rows, buffer, min_version), [rank]
+        )
 
     def receive_weights(self, policy_version: int) -> Calls:
         return self._each("receive_weights", lambda actor: actor.receive_weights.remote(policy_version))
 
-    def evaluate(self) -> Calls:
-        return self._each("evaluate", lambda actor: actor.evaluate.remote())
+    def evaluate(self, min_version: int = 0) -> Calls:
+        return self._each("evaluate", lambda actor: actor.evaluate.remote(min_version))
 
 
 class TrainerGroup(ActorGroup):
@@ -234,6 +236,16 @@ class TrainerGroup(ActorGroup):
 
     def export_model(self, directory: str) -> Calls:
         return self._each("export_model", lambda actor: actor.export_model.remote(directory))
+
+
+def producer_concurrency(config) -> int:
+    """Calls a producer runs at once: 1 (in order) unless continuous batching, whose chunks (up to
+    ``stream_loop.chunks_in_flight``) feed one shared engine, beside a sync, an eval and small calls."""
+    if not config.generation.continuous_batching:
+        return 1
+    from colossal_rl.stream_loop import chunks_in_flight
+
+    return chunks_in_flight(config) + 4
 
 
 def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
@@ -280,6 +292,7 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
             **placement.producers[rank],
             max_restarts=config.run.max_actor_restarts,
             max_task_retries=0,
+            max_concurrency=producer_concurrency(config),
             **producer_env,
         ).remote(rank, config, producer_threads)  # fmt: skip
         for rank in range(sched.num_producers)

@@ -264,14 +264,15 @@ class ProducerActor:
         metrics["rollout/policy_version"] = self.producer.policy_version
         return metrics
 
-    def produce_chunk(self, chunk_id: int, rows: list[int], buffer) -> ChunkResult:
+    def produce_chunk(self, chunk_id: int, rows: list[int], buffer, min_version: int = 0) -> ChunkResult:
         """One streaming chunk (``Producer.produce_chunk``): its kept groups' batch goes to the object store (as
         ``comm/wire.py`` bytes), copied into an object the buffer owns (it outlives this producer); the driver
-        gets that handle and every row's facts."""
+        gets that handle and every row's facts. ``min_version``: the chunk's order's version (continuous
+        batching: calls run concurrently, so the version is waited for, not implied by the call order)."""
         from colossal_rl.comm import wire
 
         self._check_weights()
-        chunk = self.producer.produce_chunk(chunk_id, rows)
+        chunk = self.producer.produce_chunk(chunk_id, rows, min_version)
         payload = None
         with self.producer.phases.record("put"):
             if chunk.batch is not None:
@@ -283,13 +284,13 @@ class ProducerActor:
             payload=payload,
             batch_rows=tuple(chunk.batch.data_indices) if chunk.batch is not None else (),
             groups=chunk.groups,
-            metrics=chunk.metrics | {"rollout/policy_version": float(self.producer.policy_version)},
+            metrics=chunk.metrics | {"rollout/policy_version": float(min(g.policy_version for g in chunk.groups))},
         )
 
-    def evaluate(self):
+    def evaluate(self, min_version: int = 0):
         self._check_weights()
         with self.producer.phases.record("eval"):
-            return self.producer.evaluate(self.config.schedule.num_producers)
+            return self.producer.evaluate(self.config.schedule.num_producers, min_version)
 
     def drain_phases(self) -> list:
         return self.producer.phases.drain()
@@ -298,6 +299,7 @@ class ProducerActor:
         return self.producer.backend.named_weights()
 
     def shutdown(self) -> None:
+        self.producer.close()
         self.producer.reward_scorer.close()
         for receiver in self.receivers:
             receiver.close()

@@ -189,6 +189,10 @@ class GenerationConfig:
     """Maximum response length in tokens."""
     microbatch_size: int = 16
     """Prompts generated together in one call of the backend (ColossalChat's -imbs)."""
+    continuous_batching: bool = False
+    """Stream mode, transformers backend: each producer runs one decode batch of about ``-imbs`` x ``-g`` rows
+    that prompts join as rows finish; every chunk is one prompt, and its group leaves the producer as soon as it
+    is scored (``rollout/continuous_batching.py``). Weight syncs wait for the running rows to finish."""
     stop_strings: tuple[str, ...] | None = None
     """Generation stops after any of these strings (kept in the response). None (resolved): ``</answer>``
     for the ``think_answer_tags`` reward, none otherwise."""
@@ -673,6 +677,7 @@ class RLConfig:
         self.data.validate()
         self._validate_batch_arithmetic()
         self._validate_stream()
+        self._validate_continuous_batching()
         _require_low_precision_for_flash_attention(self)
         _require(
             self.train.lora_rank == 0 or (self.parallel.tp_size == 1 and self.parallel.pp_size == 1),
@@ -775,6 +780,20 @@ class RLConfig:
         )
         for condition, what in unsupported:
             _require(not condition, "schedule.mode", f"stream does not support {what} or --schedule rounds")
+
+    def _validate_continuous_batching(self) -> None:
+        if not self.generation.continuous_batching:
+            return
+        _require(
+            self.schedule.mode == "stream",
+            "generation.continuous_batching",
+            "continuous batching feeds the stream schedule: add --schedule stream",
+        )
+        _require(
+            self.generation.backend == "transformers",
+            "generation.continuous_batching",
+            "is the transformers backend's (vLLM batches continuously by itself): use -b transformers",
+        )
 
 
 def resolve_precision(precision: PrecisionChoice, *, on_gpu: bool) -> Precision:

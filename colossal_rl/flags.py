@@ -137,6 +137,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--schedule",), "schedule.mode"),
     Flag(("--max-staleness",), "schedule.max_staleness"),
     Flag(("--sync-every-steps",), "schedule.sync_every_steps"),
+    Flag(("--continuous-batching",), "generation.continuous_batching", kind="switch"),
     # reward
     Flag(("-rt", "--reward-type"), "reward.reward_type"),
     Flag(

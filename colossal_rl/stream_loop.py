@@ -64,15 +64,22 @@ def stream_total_steps(config: RLConfig, num_rows: int) -> int:
     return steps if config.schedule.max_steps is None else min(steps, config.schedule.max_steps)
 
 
+def chunks_in_flight(config: RLConfig) -> int:
+    """Chunks ordered to one producer at a time: one running and one queued; with continuous batching (one prompt
+    a chunk) twice the engine's prompt slots, so a freed slot always finds a prompt waiting."""
+    return 2 * config.generation.microbatch_size if config.generation.continuous_batching else 2
+
+
 def stream_settings(config: RLConfig, total_steps: int) -> StreamingSettings:
-    schedule = config.schedule
+    schedule, generation = config.schedule, config.generation
     return StreamingSettings(
         num_producers=schedule.num_producers,
         groups_per_step=config.parallel.dp_size * config.train.batch_size,
-        prompts_per_chunk=config.generation.microbatch_size,
+        prompts_per_chunk=1 if generation.continuous_batching else generation.microbatch_size,
         max_staleness=schedule.max_staleness,
         total_steps=total_steps,
         sync_every_steps=schedule.sync_every_steps,
+        chunks_in_flight_per_producer=chunks_in_flight(config),
         num_episodes=schedule.num_episodes,
     )
 
@@ -168,8 +175,10 @@ class StreamLoop:
             scheduler.sync_ordered(version)
         self._order_eval()
         for order in scheduler.admit():
-            self._submit("chunk", driver.producers.produce_chunk(order.producer_rank, order.chunk_id, list(order.rows), driver.buffer),
-                         order)  # fmt: skip
+            calls = driver.producers.produce_chunk(
+                order.producer_rank, order.chunk_id, list(order.rows), driver.buffer, order.policy_version
+            )
+            self._submit("chunk", calls, order)
         if not self.eval_before_ordered:  # behind the first chunks: same weights, and they need not wait for it
             self.eval_before_ordered = True
             if driver.progress.eval_accuracy_before is None:
@@ -188,7 +197,7 @@ class StreamLoop:
             return
         if self.scheduler.synced_version != step or self._kinds("eval"):
             return
-        self._submit("eval", self.driver.producers.evaluate(), step)
+        self._submit("eval", self.driver.producers.evaluate(min_version=step), step)
         progress.next_eval_step = (step // interval + 1) * interval
 
     def _train_calls(self, step: StepOrder) -> Calls:

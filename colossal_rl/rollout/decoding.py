@@ -17,6 +17,7 @@ the like) is not applied: the sampled distribution is exactly the one the log-pr
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,8 @@ class StopStringWatch:
     def __init__(self, tokenizer, stop_strings: tuple[str, ...], num_rows: int):
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
-        self.texts = [""] * num_rows
+        self.texts: dict[int, str] = defaultdict(str)
+        """Each row's text so far (``num_rows`` is a hint only: rows are keys, added as they come)."""
 
     def stopped(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` [M] to the texts of ``rows`` [M]; True where the text now ends with a stop string."""

@@ -7,6 +7,7 @@ last given; which round uses which weights version is decided by the driver's sc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -98,6 +99,21 @@ class Producer:
         self._infra_errors = 0
         self._scored = 0
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
+        self.engine = self._start_engine(config) if config.generation.continuous_batching else None
+        """``--continuous-batching``: the decode engine every ``produce_chunk`` call feeds (``engine_service.py``)."""
+
+    def _start_engine(self, config: RLConfig):
+        from colossal_rl.rollout.engine_service import EngineService
+
+        generation = config.generation
+        max_rows = generation.microbatch_size * generation.num_generations
+        return EngineService(
+            self.backend.continuous_batcher(self._train_sampling(), generation.num_generations, max_rows)
+        )
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
     @staticmethod
     def _create_backend(config: RLConfig):
@@ -164,19 +180,40 @@ class Producer:
         """Generate, score and post-process this producer's prompts of ``round_index``."""
         return self._rollout(self.schedule.rows_for(round_index, self.rank), seed_index=round_index)
 
-    def produce_chunk(self, chunk_id: int, rows: list[int]) -> ChunkRollout:
+    def produce_chunk(self, chunk_id: int, rows: list[int], min_version: int = 0) -> ChunkRollout:
         """Generate, score and post-process rows ``rows`` (one streaming chunk): the kept groups' batch and what
         the schedule needs of every group (``schedule/events.py``'s ``FinishedGroup``: row, the policy version it
-        started with, its token cost, kept or filtered by dynamic sampling)."""
-        version = self.policy_version
-        batch, metrics = self._rollout(list(rows), seed_index=chunk_id)
+        started with, its token cost, kept or filtered by dynamic sampling). With continuous batching the rows
+        join the shared engine once it holds ``min_version`` (the chunk's order says which), and calls may run
+        concurrently; without, calls run in order and the version is whatever the producer holds."""
+        if self.engine is None:
+            batch, metrics = self._rollout(list(rows), seed_index=chunk_id)
+            versions = [self.policy_version] * len(rows)
+        else:
+            batch, metrics, versions = self._rollout_continuous(list(rows), min_version, chunk_id)
         kept_rows = tuple(batch.data_indices) if batch is not None else ()
         shared_prompt = self.config.sequence_layout == "shared_prompt"
         costs = (
             dict(zip(kept_rows, group_token_costs(batch, shared_prompt=shared_prompt), strict=True)) if batch else {}
         )
-        groups = tuple(FinishedGroup(row, version, costs.get(row, 0), row in costs) for row in rows)
+        groups = tuple(
+            FinishedGroup(row, version, costs.get(row, 0), row in costs)
+            for row, version in zip(rows, versions, strict=True)
+        )
         return ChunkRollout(batch=batch, groups=groups, metrics=metrics)
+
+    def _rollout_continuous(
+        self, row_indices: list[int], min_version: int, chunk_id: int
+    ) -> tuple[RolloutBatch | None, dict[str, float], list[int]]:
+        """``_rollout`` through the shared continuous-batching engine; also each group's starting version."""
+        started = time.perf_counter()
+        prompts = [self.train_data.prompt_ids[i] for i in row_indices]
+        with self.phases.record("generate"):
+            groups = self.engine.generate(prompts, min_version=min_version, timeout_s=self.config.run.timeout_s)
+        output = self.backend.output_of_groups(prompts, groups, self._train_sampling())
+        versions = [group.policy_version for group in groups]
+        batch, metrics = self._scored_rollout(row_indices, output, (), min(versions), started, chunk_id)
+        return batch, metrics, versions
 
     def _rollout(self, row_indices: list[int], *, seed_index: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Generate, score and post-process ``row_indices`` (sampling seeded by run seed, ``seed_index``, rank)."""
@@ -185,6 +222,19 @@ class Producer:
         torch.manual_seed(self.config.run.seed * 1_000_003 + seed_index * 1009 + self.rank)
         with self.phases.record("generate"):
             output, vision = self._generate(self.train_data, row_indices, group_size, self._train_sampling())
+        return self._scored_rollout(row_indices, output, vision, self.policy_version, started, seed_index)
+
+    def _scored_rollout(
+        self,
+        row_indices: list[int],
+        output: GenerationOutput,
+        vision: tuple,
+        policy_version: int,
+        started: float,
+        seed_index: int,
+    ) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Score ``output`` (the responses to ``row_indices``, generated since ``started``) and post-process it."""
+        group_size = self.config.generation.num_generations
         generate_seconds = time.perf_counter() - started
         rows = [self.train_data.rows[i] for i in row_indices for _ in range(group_size)]
         with self.phases.record("reward"):
@@ -200,7 +250,7 @@ class Producer:
             loss_mask=torch.tensor([0.0 if r.status == "infra_error" else 1.0 for r in records]),
             truncated=output.truncated,
             group_size=group_size,
-            policy_version=self.policy_version,
+            policy_version=policy_version,
             round_index=seed_index,
             producer_rank=self.rank,
             prompts=[self.tokenizer.decode(self.train_data.prompt_ids[i]) for i in row_indices],
@@ -246,7 +296,11 @@ class Producer:
         lora = self.config.train.lora_rank > 0
         if lora:
             named_tensors = self._merge_adapters(named_tensors)
-        self.backend.load_weights(named_tensors, partial=lora)
+        if self.engine is None:
+            self.backend.load_weights(named_tensors, partial=lora)
+        else:  # at a safe point: once the rows running finish, none admitted meanwhile
+            load = lambda: self.backend.load_weights(named_tensors, partial=lora)  # noqa: E731
+            self.engine.load_weights(load, policy_version, timeout_s=self.config.run.timeout_s)
         self.policy_version = policy_version
 
     def receive_weights_in_engine(self, policy_version: int) -> None:
@@ -270,13 +324,17 @@ class Producer:
         return merge_adapters(self._lora_base, adapters, lora_scaling(self.config.train))
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, num_producers: int) -> list[EvalResult]:
-        """Greedy (or eval-temperature) accuracy on this producer's share of every eval task."""
-        results = []
-        for task, dataset in self.eval_data.items():
-            indices = list(range(self.rank, len(dataset), num_producers))
-            results.append(self._evaluate_task(task, dataset, indices))
-        return results
+    def evaluate(self, num_producers: int, min_version: int = 0) -> list[EvalResult]:
+        """Greedy (or eval-temperature) accuracy on this producer's share of every eval task. With continuous
+        batching: of weights ``min_version`` or newer, with decoding paused meanwhile."""
+        if self.engine is not None:
+            self.engine.wait_for_version(min_version, timeout_s=self.config.run.timeout_s)
+        with self.engine.exclusive() if self.engine is not None else contextlib.nullcontext():
+            results = []
+            for task, dataset in self.eval_data.items():
+                indices = list(range(self.rank, len(dataset), num_producers))
+                results.append(self._evaluate_task(task, dataset, indices))
+            return results
 
     def _evaluate_task(self, task: str, dataset: PromptDataset, indices: list[int]) -> EvalResult:
         k = self.config.generation.eval_samples

@@ -7,7 +7,9 @@ import logging
 import torch
 from transformers import AutoConfig, AutoProcessor
 
+from colossal_rl.batch import pad_to
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
+from colossal_rl.rollout.continuous_batching import ContinuousBatcher, DecodedGroup
 from colossal_rl.rollout.decoding import StopStringWatch, sample_responses
 from colossal_rl.rollout.tokenizer_loading import load_tokenizer
 from colossal_rl.vision.inputs import VisionInputs, model_vision_kwargs
@@ -137,9 +139,38 @@ class TransformersBackend:
             prompt_positions=positions,
             vision_inputs=vision_kwargs,
         )
+        return self._output(
+            unique_ids, unique_mask, num_samples, decoded.response_ids.cpu(), decoded.logprobs.cpu(), sampling
+        )
+
+    def continuous_batcher(self, sampling: SamplingSettings, num_samples: int, max_rows: int) -> ContinuousBatcher:
+        """A continuous-batching engine on this backend's model (``rollout/continuous_batching.py``); text only."""
+        if self.rope_tokens is not None:
+            raise ValueError("continuous batching does not take vision-language models yet")
+        return ContinuousBatcher(
+            self.model,
+            sampling,
+            num_samples,
+            max_rows=max_rows,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            tokenizer=self.tokenizer,
+        )
+
+    def output_of_groups(
+        self, prompts: list[list[int]], groups: list[DecodedGroup], sampling: SamplingSettings
+    ) -> GenerationOutput:
+        """What :meth:`generate` returns, from a continuous batcher's groups of ``prompts`` (in their order)."""
+        unique_ids, unique_mask = left_pad(prompts, self.pad_token_id)
+        length = max(group.response_ids.shape[1] for group in groups)
+        response_ids = torch.cat([pad_to(g.response_ids, length, self.pad_token_id, left=False) for g in groups])
+        logprobs = torch.cat([pad_to(g.logprobs, length, 0.0, left=False) for g in groups])
+        return self._output(unique_ids, unique_mask, groups[0].response_ids.shape[0], response_ids, logprobs, sampling)
+
+    def _output(self, unique_ids, unique_mask, num_samples, response_ids, logprobs, sampling) -> GenerationOutput:
+        """Prompts repeated per sample; responses cut after EOS or a stop string, padded; their texts."""
         prompt_ids = unique_ids.repeat_interleave(num_samples, dim=0)
         prompt_mask = unique_mask.repeat_interleave(num_samples, dim=0)
-        response_ids, logprobs = decoded.response_ids.cpu(), decoded.logprobs.cpu()
         mask, truncated = response_mask_until_eos(response_ids, self.eos_token_ids)
         mask, truncated = cut_at_stop_strings(self.tokenizer, response_ids, mask, truncated, sampling.stop_strings)
         response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, self.pad_token_id))

@@ -50,9 +50,10 @@ def assert_streamed(records: list[dict], *, steps: int, max_staleness: int) -> l
 
 
 def test_stream_run_with_dynamic_sampling_and_sparser_syncs_still_trains_the_requested_steps(tmp_path):
+    """With continuous batching too: producers run concurrent one-prompt chunks on one shared engine."""
     _, records = run_stream(
-        tmp_path, "-a", "DAPO", "-mnt", "16", "--max-steps", "4", "-ei", "0", "--max-staleness", "2",
-        "--sync-every-steps", "2",
+        tmp_path, "-a", "DAPO", "-mnt", "16", "--max-steps", "4", "-ei", "2", "--max-staleness", "2",
+        "--sync-every-steps", "2", "--continuous-batching",
     )  # fmt: skip
     train = assert_streamed(records, steps=4, max_staleness=2)
     assert [r["step"] for r in records if r["kind"] == "sync"] == [2, 4]
@@ -60,6 +61,9 @@ def test_stream_run_with_dynamic_sampling_and_sparser_syncs_still_trains_the_req
     filtered = sum(r["rollout/groups_filtered"] for r in rollouts)
     assert train[-1]["schedule/groups_filtered"] == filtered
     assert filtered > 0, "nothing was filtered: the test does not show the made-up groups"
+    assert {len(r["train/data_indices"]) for r in train} == {8}
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2, 4]
+    assert max(r["rollout/policy_version"] for r in rollouts) >= 2  # chunks after the sync started with it
 
 
 def test_a_stream_run_stays_within_the_staleness_bound_and_resumes_training_no_row_twice(tmp_path):

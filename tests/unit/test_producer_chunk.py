@@ -86,3 +86,32 @@ def test_a_chunk_samples_as_a_round_of_the_same_rows_and_seed_does(producer):
     finally:
         producer.config = original
     assert torch.equal(chunk.batch.response_ids, batch.response_ids)
+
+
+@pytest.fixture(scope="module")
+def continuous_producer(producer) -> Producer:
+    config = dataclasses.replace(
+        producer.config,
+        generation=dataclasses.replace(producer.config.generation, continuous_batching=True, microbatch_size=2),
+        schedule=dataclasses.replace(producer.config.schedule, mode="stream"),
+    )
+    continuous = Producer(0, config, reward_scorer=EveryOtherGroupAgrees())
+    yield continuous
+    continuous.close()
+
+
+def test_continuous_batching_chunks_report_as_batched_ones(continuous_producer):
+    """Through the shared engine: the same facts per row; a weight load lands between chunks, labels the next."""
+    rows = [5, 2, 7, 0]
+    chunk = continuous_producer.produce_chunk(chunk_id=1, rows=rows, min_version=0)
+    assert [group.row for group in chunk.groups] == rows
+    assert [group.kept for group in chunk.groups] == [False, True, False, True]
+    assert {group.policy_version for group in chunk.groups} == {0}
+    assert chunk.batch.data_indices == [2, 0] and chunk.batch.group_size == GROUP_SIZE
+    assert chunk.batch.behaviour_logprobs.shape == chunk.batch.response_ids.shape
+    assert bool((chunk.batch.behaviour_logprobs[chunk.batch.response_mask == 0] == 0).all())
+    weights = continuous_producer.backend.named_weights()
+    continuous_producer.load_weights(1, weights)
+    chunk = continuous_producer.produce_chunk(chunk_id=2, rows=[3, 1], min_version=1)
+    assert {group.policy_version for group in chunk.groups} == {1}
+    assert continuous_producer.engine.policy_version == continuous_producer.policy_version == 1

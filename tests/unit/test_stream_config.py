@@ -48,6 +48,8 @@ def test_unknown_schedule_is_refused_by_the_parser():
         ([*STREAM, "--sync-every-steps", "3"], "^--max-staleness: must be >= sync_every_steps - 1 = 2 in stream"),
         ([*STREAM, "-pp", "2", "-t", "2"], "^--schedule: stream does not support pipeline parallelism yet"),
         ([*STREAM, "--ppo-epochs", "2"], "^--schedule: stream does not support several passes"),
+        (["--continuous-batching"], "^--continuous-batching: continuous batching feeds the stream schedule"),
+        ([*STREAM, "--continuous-batching", "-b", "vllm"], "^--continuous-batching: is the transformers backend's"),
     ],
 )
 def test_unsupported_or_bad_stream_settings_fail_in_one_line_naming_the_flag(argv, message):
@@ -59,3 +61,16 @@ def test_unsupported_or_bad_stream_settings_fail_in_one_line_naming_the_flag(arg
 def test_the_round_schedule_ignores_the_stream_only_limits():
     config = config_of(["-pp", "2", "-t", "2", "--ppo-epochs", "2", "-si", "1", "--sync-every-steps", "3"])
     assert config.schedule.mode == "rounds"
+
+
+def test_continuous_batching_streams_one_prompt_a_chunk_with_twice_the_engine_slots_ordered():
+    from colossal_rl.actor_groups import producer_concurrency
+    from colossal_rl.stream_loop import stream_settings
+
+    config = config_of([*STREAM, "--continuous-batching", "-imbs", "4"])
+    assert config.generation.continuous_batching
+    settings = stream_settings(config, total_steps=3)
+    assert (settings.prompts_per_chunk, settings.chunks_in_flight_per_producer) == (1, 8)
+    assert producer_concurrency(config) == 8 + 4
+    batched = stream_settings(config_of([*STREAM, "-imbs", "4"]), total_steps=3)
+    assert (batched.prompts_per_chunk, batched.chunks_in_flight_per_producer) == (4, 2)
