@@ -147,21 +147,21 @@ def test_stop_string_ends_the_response_with_the_token_that_completes_it(backend)
 
 def test_producer_memory_does_not_grow_with_the_vocabulary():
     """A 2-layer Qwen2 with Qwen's 151,936-token vocabulary, 16 samples: every step's logits would be
-    16 x 48 x 151,936 x 4 B = 467 MB at 48 tokens. The loop's peak of live allocator bytes stays under 120 MB
+    16 x 32 x 151,936 x 4 B = 311 MB at 32 tokens. The loop's peak of live allocator bytes stays under 120 MB
     and barely moves when the responses get 4x longer; the old path (generate keeping every step's logits,
     stacked to [N, R, V] for the sampled tokens' log-probs) goes past the bound."""
     model, ids, mask = large_vocabulary_model(prompts=2)
     prompts, samples = 2, 8
     peaks = {}
-    for new_tokens in (12, 48):
+    for new_tokens in (8, 32):
         settings = SamplingSettings(temperature=1.0, top_p=0.9, max_new_tokens=new_tokens)
         with AllocatorPeak() as peak:
             out = sample_responses(model, ids, mask, samples, settings, eos_token_ids=[-1], pad_token_id=0)
         assert out.response_ids.shape == (prompts * samples, new_tokens)
         peaks[new_tokens] = peak.peak_bytes / 2**20
     with AllocatorPeak() as old:
-        generate_keeping_logits(model, ids, mask, samples=samples, max_new_tokens=48, top_p=0.9, exact_length=True)
+        generate_keeping_logits(model, ids, mask, samples=samples, max_new_tokens=32, top_p=0.9, exact_length=True)
     old_mb = old.peak_bytes / 2**20
-    assert peaks[48] < 120, peaks
-    assert peaks[48] < peaks[12] + 5, peaks  # O(N x V) for one step, not O(N x R x V)
-    assert old_mb > 450, old_mb  # the bound is one the old path exceeds
+    assert peaks[32] < 120, peaks
+    assert peaks[32] < peaks[8] + 5, peaks  # O(N x V) for one step, not O(N x R x V)
+    assert old_mb > 300, old_mb  # the bound is one the old path exceeds  # the bound is one the old path exceeds
