@@ -18,7 +18,9 @@ from colossal_rl.environments.tool_calls import Tool, parse_tool_calls, run_call
 def score_final_answer(context: EnvironmentContext, text: str, row: dict[str, Any]) -> StepResult:
     """The episode's end: ``text`` scored against ``row`` by the run's reward scorer."""
     record = context.reward_scorer.score_batch([text], [row])[0]
-    return StepResult(reward=float(record.reward), done=True, info={"status": record.status})
+    return StepResult(
+        reward=float(record.reward), done=True, info={"status": record.status, "answer_ok": bool(record.answer_ok)}
+    )
 
 
 class SingleTurnEnvironment:

@@ -72,7 +72,7 @@ def postprocess_rollout(
         batch.group_size,
         algo.advantage_eps,
         valid_mask=batch.loss_mask,
-        response_lengths=batch.response_mask.sum(-1),
+        response_lengths=batch.policy_token_mask().sum(-1),  # multi-turn: the policy's own tokens
     )
     if algo.mask_zero_advantage:  # e.g. online DPO: only the paired samples are trained
         batch = replace(batch, loss_mask=batch.loss_mask * (advantages != 0).to(batch.loss_mask.dtype))
