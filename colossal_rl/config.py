@@ -503,6 +503,26 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EnvironmentConfig:
+    """Multi-turn rollouts through an environment (``colossal_rl/environments/``, issue 36)."""
+
+    name: str | None = None
+    """None: today's single-turn rollout. Else multi-turn rollouts through this environment: a registered name
+    (single_turn, calculator, python) or a plug-in path/to/file.py:Class (loaded and opened on one row before Ray
+    starts); the final answer is scored by the run's reward (-rt/--reward-fn)."""
+    max_turns: int = 4
+    """Policy turns per episode (--env)."""
+    max_total_tokens: int = 256
+    """Response tokens per episode, the policy's and the environment's (--env); each turn also stops at -mnt."""
+
+    def validate(self) -> None:
+        _require(self.max_turns >= 1, "environment.max_turns", f"must be >= 1, got {self.max_turns}")
+        _require(
+            self.max_total_tokens >= 1, "environment.max_total_tokens", f"must be >= 1, got {self.max_total_tokens}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     reward_type: RewardType = "boxed"
     """Built-in verifiable reward."""
@@ -618,6 +638,7 @@ class RLConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -670,6 +691,7 @@ class RLConfig:
         self.parallel.validate()
         self.run.validate()
         self.reward.validate()
+        self.environment.validate()
         self.data.validate()
         self._validate_batch_arithmetic()
         self._validate_stream()

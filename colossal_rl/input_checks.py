@@ -36,6 +36,8 @@ def check_inputs(config: RLConfig) -> CheckedInputs:
     check_images(config, sources, model_is_vision_language(config.model.path))
     if config.reward.reward_fn is not None:
         check_reward_plugin(config.reward.reward_fn, train_rows[0], config.data.train_path)
+    if config.environment.name is not None:
+        check_environment_spec(config, train_rows[0])
     return CheckedInputs(train_rows=len(train_rows))
 
 
@@ -135,3 +137,20 @@ def check_reward_plugin(spec: str, row: dict, source: str) -> None:
             f"--reward-fn {spec!r}: scoring an empty response to the first row of {source} raised "
             f"{type(error).__name__}: {error}"
         ) from None
+
+
+def check_environment_spec(config: RLConfig, row: dict) -> None:
+    """``--env`` names a registered environment or a plug-in class that opens an episode on the first training
+    row (its constructor gets a context without a reward scorer here: nothing is scored before Ray starts)."""
+    from colossal_rl.environments import EnvironmentConfigError, EnvironmentContext, check_environment
+    from colossal_rl.prompts import system_prompt_for
+
+    if model_is_vision_language(config.model.path):
+        raise InputError(f"--env: multi-turn rollouts take text-only models; {config.model.path} has a vision tower")
+    context = EnvironmentContext(
+        reward_scorer=None, system_prompt=system_prompt_for(config.reward.reward_type, config.data.system_prompt)
+    )
+    try:
+        check_environment(config.environment.name, row, context)
+    except EnvironmentConfigError as error:
+        raise InputError(f"{error} (first row of {config.data.train_path})") from None
