@@ -291,12 +291,14 @@ def collate(episodes: list[Episode], pad_token_id: int) -> MultiTurnOutput:
 
 
 def turn_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Means over episodes of what their turns did: ``rollout/turns``, ``rollout/tool_calls``, ...; and the
-    fraction of episodes by how they ended (``rollout/end_<reason>``)."""
+    """Means over episodes of what their turns did: ``rollout/turns``, ``rollout/tool_calls``, ...; the fraction
+    of episodes that called a tool at least once (``rollout/tool_call_rate``) and by how they ended
+    (``rollout/end_<reason>``)."""
     n = max(len(episodes), 1)
     metrics = {
         "rollout/turns": sum(len(e.turns) for e in episodes) / n,
         "rollout/tool_calls": sum(t.tool_calls for e in episodes for t in e.turns) / n,
+        "rollout/tool_call_rate": sum(any(t.tool_calls for t in e.turns) for e in episodes) / n,
         "rollout/tool_errors": sum(t.tool_errors for e in episodes for t in e.turns) / n,
         "rollout/policy_tokens": sum(sum(e.policy_mask) for e in episodes) / n,
         "rollout/environment_tokens": sum(len(e.policy_mask) - sum(e.policy_mask) for e in episodes) / n,

@@ -135,6 +135,7 @@ def test_collate_pads_and_keeps_masks(tokenizer, chat):
     assert bool((output.behaviour_logprobs[output.policy_mask == 0] == 0).all())
     metrics = turn_metrics(episodes)
     assert metrics["rollout/turns"] == 1.5 and metrics["rollout/tool_calls"] == 0.5
+    assert metrics["rollout/tool_call_rate"] == 0.5  # one of the two episodes called the calculator
 
 
 def test_malformed_call_is_an_observation_and_the_episode_goes_on(tokenizer, chat):
