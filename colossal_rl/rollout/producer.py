@@ -223,7 +223,7 @@ class Producer:
             )
         metrics.update(
             {
-                "rollout/response_length": float(output.response_mask.sum(1).float().mean()),
+                "rollout/response_length": float(output.policy_mask.sum(1).float().mean()),  # the policy's tokens
                 "rollout/truncated_fraction": float(output.truncated.float().mean()),
                 "rollout/infra_error_fraction": sum(r.status == "infra_error" for r in records) / len(records),
                 "time/generate_s": generate_seconds,
@@ -257,12 +257,12 @@ class Producer:
         )
         with self.phases.record("postprocess"):
             processed, metrics = postprocess_rollout(
-                batch, self.config.algorithm, self.config.generation.max_new_tokens
+                batch, self.config.algorithm, self.config.environment.max_total_tokens
             )
         metrics.update(turn_metrics(output.episodes))
         metrics.update(
             {
-                "rollout/response_length": float(output.response_mask.sum(1).float().mean()),
+                "rollout/response_length": float(output.policy_mask.sum(1).float().mean()),  # the policy's tokens
                 "rollout/truncated_fraction": float(output.truncated.float().mean()),
                 "rollout/infra_error_fraction": float(1 - batch.loss_mask.mean()),
                 "time/generate_s": generate_seconds,
