@@ -654,6 +654,15 @@ class RLConfig:
         return self.steps_per_round * self.train.ppo_epochs
 
     @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence a producer runs: the longest prompt plus a sample's response budget (``-mnt``; with
+        ``--env`` the episode's ``--max-total-tokens``, every turn and tool result included)."""
+        response = (
+            self.environment.max_total_tokens if self.environment.name is not None else self.generation.max_new_tokens
+        )
+        return self.data.max_prompt_tokens + response
+
+    @property
     def sequence_layout(self) -> str:
         """The training forward's layout for a text model (:meth:`sequence_layout_for`)."""
         return self.sequence_layout_for(vision_language=False)
@@ -762,12 +771,12 @@ class RLConfig:
                 f"generations) must split into at least pp = {par.pp_size} pipeline micro-batches of "
                 f"microbatch {train.microbatch_size} // pp = {pipeline_micro}",
             )
-        sequence = self.data.max_prompt_tokens + gen.max_new_tokens
+        budget = "max_new_tokens" if self.environment.name is None else "environment.max_total_tokens (--env)"
         _require(
-            gen.vllm.max_model_len is None or gen.vllm.max_model_len >= sequence,
+            gen.vllm.max_model_len is None or gen.vllm.max_model_len >= self.max_sequence_tokens,
             "generation.vllm.max_model_len",
-            f"{gen.vllm.max_model_len} is shorter than max_prompt_tokens + max_new_tokens = "
-            f"{self.data.max_prompt_tokens} + {gen.max_new_tokens} = {sequence}",
+            f"{gen.vllm.max_model_len} is shorter than max_prompt_tokens + {budget} = {self.data.max_prompt_tokens} + "
+            f"{self.max_sequence_tokens - self.data.max_prompt_tokens} = {self.max_sequence_tokens}",
         )
         global_prompts = sched.num_producers * sched.inference_batch_size
         per_step = par.dp_size * train.batch_size

@@ -113,7 +113,7 @@ class Producer:
             tensor_parallel_size=config.generation.tensor_parallel_size,
             seed=config.run.seed,
             vllm_engine=config.generation.vllm,
-            max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
+            max_sequence_tokens=config.max_sequence_tokens,
             trust_remote_code=config.model.trust_remote_code,
             weights_dtype=VLLM_DTYPES[resolve_precision(config.parallel.precision, on_gpu=torch.cuda.is_available())],
             images_per_prompt=config.data.limit_images,

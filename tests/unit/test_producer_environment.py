@@ -4,6 +4,8 @@ and evaluation runs episodes too. Without ``--env`` the single-turn path runs (`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from colossal_rl.config import EnvironmentConfig, GenerationConfig, RLConfig
@@ -72,3 +74,18 @@ def test_the_env_spec_is_checked_before_ray_starts(tmp_path):
         check_inputs(config(f"{broken}:Env"))
     with pytest.raises(InputError, match="unknown environment 'chess'"):
         check_inputs(config("chess"))
+
+
+def test_vllm_engine_length_covers_a_whole_episode_or_the_run_is_refused_before_ray():
+    """An episode grows to -mpt + --max-total-tokens; vLLM's engine (sized from that, capped by the model) must
+    hold it, or the launch stops with the flags to change, not a turn failing mid-run."""
+    base = config("calculator")  # the embedded model: 256 positions
+    assert base.max_sequence_tokens == 512 + 96
+    assert replace(base, environment=EnvironmentConfig()).max_sequence_tokens == 512 + 8  # single-turn: -mnt
+    vllm = replace(base, generation=replace(base.generation, backend="vllm"))
+    with pytest.raises(InputError, match=r"-mpt \+ --max-total-tokens = 512 \+ 96 = 608 tokens.* context of 256"):
+        check_inputs(vllm)
+    check_inputs(replace(vllm, data=replace(vllm.data, max_prompt_tokens=128)))  # 128 + 96 fits
+    too_short = replace(vllm.generation, vllm=replace(vllm.generation.vllm, max_model_len=600))
+    with pytest.raises(ValueError, match=r"max_model_len.*environment.max_total_tokens \(--env\) = 512 \+ 96 = 608"):
+        replace(vllm, generation=too_short).validate()
