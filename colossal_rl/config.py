@@ -27,6 +27,10 @@ EMBEDDED_VLM_DIR = ASSETS_DIR / "tiny_qwen2_5_vl"
 """A pre-trained 0.86 M-parameter Qwen2.5-VL (``scripts/build_tiny_vlm.py``) for the shapes-counting task."""
 EMBEDDED_SHAPES_TRAIN_DATA = ASSETS_DIR / "shapes" / "train.jsonl"
 EMBEDDED_SHAPES_EVAL_DATA = ASSETS_DIR / "shapes" / "eval.jsonl"
+EMBEDDED_TOOL_MODEL_DIR = ASSETS_DIR / "tiny_qwen2_tools"
+"""A pre-trained 0.8 M-parameter Qwen2 that sometimes calls the calculator (``scripts/build_tiny_tool_model.py``)."""
+EMBEDDED_ARITHMETIC_TRAIN_DATA = ASSETS_DIR / "arithmetic" / "train.jsonl"
+EMBEDDED_ARITHMETIC_EVAL_DATA = ASSETS_DIR / "arithmetic" / "eval.jsonl"
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
