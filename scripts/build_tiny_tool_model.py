@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_tiny_model import _lr_factor, build_model, build_tokenizer, write_jsonl  # noqa: E402
@@ -136,8 +136,9 @@ def build_tool_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tool_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    model = build_model(tokenizer)  # the embedded model's shape, sized to this vocabulary
-    config = model.config
+    # The embedded model's shape, sized to this vocabulary; its first initialisation is discarded, but the random
+    # numbers it drew are part of this recipe (the shipped weights depend on them).
+    config = build_model(tokenizer).config
     config.max_position_embeddings = MAX_POSITIONS
     model = Qwen2ForCausalLM(config)
     model.generation_config.max_new_tokens = 64
@@ -236,8 +237,6 @@ def masked_batch(sequences: list[tuple[list[int], list[int]]], skip: int, pad_to
 
 def batch_loss(model, prefix: list[int], sequences, pad_token_id: int) -> torch.Tensor:
     """Loss of the policy tokens of ``sequences`` (which all start with ``prefix``), the prefix run once."""
-    from transformers import DynamicCache
-
     cache_one = model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
     size = len(sequences)
     cache = DynamicCache.from_legacy_cache(
