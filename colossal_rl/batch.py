@@ -45,6 +45,10 @@ class RolloutBatch:
     old_logprobs: torch.Tensor | None = None
     """[N, R] log-probs of the response tokens under pi_old, the policy the round's first update started from;
     None until the trainer knows them (see ``training/old_logprobs.py``)."""
+    policy_mask: torch.Tensor | None = None
+    """[N, R] multi-turn rollouts: 1 on response tokens the policy sampled, 0 on the environment's tokens between
+    its turns (tool results: context for the forward, never trained on) and on padding; None: every real response
+    token is the policy's (single-turn). ``response_mask`` stays 1 on every real token, environment's included."""
     group_size: int
     policy_version: int
     """Weights version the producer sampled with."""
@@ -69,6 +73,10 @@ class RolloutBatch:
         for name in _TENSOR_FIELDS:
             if getattr(self, name).shape[0] != n:
                 raise ValueError(f"{name} has {getattr(self, name).shape[0]} rows, expected {n}")
+        if self.policy_mask is not None and self.policy_mask.shape != self.response_ids.shape:
+            raise ValueError(
+                f"policy_mask {tuple(self.policy_mask.shape)} != responses {tuple(self.response_ids.shape)}"
+            )
 
     @property
     def num_samples(self) -> int:
@@ -133,9 +141,13 @@ class RolloutBatch:
     def with_advantages(self, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None) -> RolloutBatch:
         return replace(self, advantages=advantages, loss_mask=self.loss_mask if loss_mask is None else loss_mask)
 
+    def policy_token_mask(self) -> torch.Tensor:
+        """[N, R]: 1 at the response tokens the policy sampled (``response_mask``, times ``policy_mask`` if set)."""
+        return self.response_mask if self.policy_mask is None else self.response_mask * self.policy_mask
+
     def trained_token_mask(self) -> torch.Tensor:
-        """[N, R] float: 1 at response tokens of samples the loss keeps (``response_mask * loss_mask``)."""
-        return self.response_mask.float() * self.loss_mask[:, None]
+        """[N, R] float: 1 at policy tokens of samples the loss keeps (``policy_token_mask * loss_mask``)."""
+        return self.policy_token_mask().float() * self.loss_mask[:, None]
 
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` [N, P+R] and ``attention_mask`` [N, P+R] of prompt + response."""
@@ -144,9 +156,9 @@ class RolloutBatch:
         return input_ids, attention_mask
 
 
-_OPTIONAL_TENSOR_FIELDS = ("advantages", "old_logprobs")
-"""Per-sample tensors filled after production: ``advantages`` [N] by the producer, ``old_logprobs`` [N, R] by the
-trainer."""
+_OPTIONAL_TENSOR_FIELDS = ("advantages", "old_logprobs", "policy_mask")
+"""Per-sample tensors set by some batches only: ``advantages`` [N] by the producer, ``old_logprobs`` [N, R] by the
+trainer, ``policy_mask`` [N, R] by multi-turn rollouts."""
 
 
 def pad_to(tensor: torch.Tensor, length: int, value: float, left: bool) -> torch.Tensor:
@@ -181,11 +193,15 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         tensors[name] = torch.cat([getattr(b, name) for b in batches])
     has_adv = all(b.advantages is not None for b in batches)
     has_old = all(b.old_logprobs is not None for b in batches)
+    has_policy_mask = any(b.policy_mask is not None for b in batches)
     return RolloutBatch(
         **tensors,
         advantages=torch.cat([b.advantages for b in batches]) if has_adv else None,
         old_logprobs=torch.cat([pad_to(b.old_logprobs, response_len, 0.0, left=False) for b in batches])
         if has_old
+        else None,
+        policy_mask=torch.cat([pad_to(b.policy_token_mask(), response_len, 0, left=False) for b in batches])
+        if has_policy_mask
         else None,
         group_size=batches[0].group_size,
         policy_version=min(b.policy_version for b in batches),

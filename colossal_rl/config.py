@@ -27,6 +27,10 @@ EMBEDDED_VLM_DIR = ASSETS_DIR / "tiny_qwen2_5_vl"
 """A pre-trained 0.86 M-parameter Qwen2.5-VL (``scripts/build_tiny_vlm.py``) for the shapes-counting task."""
 EMBEDDED_SHAPES_TRAIN_DATA = ASSETS_DIR / "shapes" / "train.jsonl"
 EMBEDDED_SHAPES_EVAL_DATA = ASSETS_DIR / "shapes" / "eval.jsonl"
+EMBEDDED_TOOL_MODEL_DIR = ASSETS_DIR / "tiny_qwen2_tools"
+"""A pre-trained 0.8 M-parameter Qwen2 that sometimes calls the calculator (``scripts/build_tiny_tool_model.py``)."""
+EMBEDDED_ARITHMETIC_TRAIN_DATA = ASSETS_DIR / "arithmetic" / "train.jsonl"
+EMBEDDED_ARITHMETIC_EVAL_DATA = ASSETS_DIR / "arithmetic" / "eval.jsonl"
 
 Precision = Literal["fp32", "bf16", "fp16"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
@@ -507,6 +511,26 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EnvironmentConfig:
+    """Multi-turn rollouts through an environment (``colossal_rl/environments/``, issue 36)."""
+
+    name: str | None = None
+    """None: today's single-turn rollout. Else multi-turn rollouts through this environment: a registered name
+    (single_turn, calculator, python) or a plug-in path/to/file.py:Class (loaded and opened on one row before Ray
+    starts); the final answer is scored by the run's reward (-rt/--reward-fn)."""
+    max_turns: int = 4
+    """Policy turns per episode (--env)."""
+    max_total_tokens: int = 256
+    """Response tokens per episode, the policy's and the environment's (--env); each turn also stops at -mnt."""
+
+    def validate(self) -> None:
+        _require(self.max_turns >= 1, "environment.max_turns", f"must be >= 1, got {self.max_turns}")
+        _require(
+            self.max_total_tokens >= 1, "environment.max_total_tokens", f"must be >= 1, got {self.max_total_tokens}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     reward_type: RewardType = "boxed"
     """Built-in verifiable reward."""
@@ -622,6 +646,7 @@ class RLConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -635,6 +660,15 @@ class RLConfig:
     def optimizer_steps_per_round(self) -> int:
         """Optimizer steps each trainer takes per round: ``steps_per_round`` for each of ``train.ppo_epochs``."""
         return self.steps_per_round * self.train.ppo_epochs
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence a producer runs: the longest prompt plus a sample's response budget (``-mnt``; with
+        ``--env`` the episode's ``--max-total-tokens``, every turn and tool result included)."""
+        response = (
+            self.environment.max_total_tokens if self.environment.name is not None else self.generation.max_new_tokens
+        )
+        return self.data.max_prompt_tokens + response
 
     @property
     def sequence_layout(self) -> str:
@@ -674,6 +708,7 @@ class RLConfig:
         self.parallel.validate()
         self.run.validate()
         self.reward.validate()
+        self.environment.validate()
         self.data.validate()
         self._validate_batch_arithmetic()
         self._validate_stream()
@@ -745,12 +780,12 @@ class RLConfig:
                 f"generations) must split into at least pp = {par.pp_size} pipeline micro-batches of "
                 f"microbatch {train.microbatch_size} // pp = {pipeline_micro}",
             )
-        sequence = self.data.max_prompt_tokens + gen.max_new_tokens
+        budget = "max_new_tokens" if self.environment.name is None else "environment.max_total_tokens (--env)"
         _require(
-            gen.vllm.max_model_len is None or gen.vllm.max_model_len >= sequence,
+            gen.vllm.max_model_len is None or gen.vllm.max_model_len >= self.max_sequence_tokens,
             "generation.vllm.max_model_len",
-            f"{gen.vllm.max_model_len} is shorter than max_prompt_tokens + max_new_tokens = "
-            f"{self.data.max_prompt_tokens} + {gen.max_new_tokens} = {sequence}",
+            f"{gen.vllm.max_model_len} is shorter than max_prompt_tokens + {budget} = {self.data.max_prompt_tokens} + "
+            f"{self.max_sequence_tokens - self.data.max_prompt_tokens} = {self.max_sequence_tokens}",
         )
         global_prompts = sched.num_producers * sched.inference_batch_size
         per_step = par.dp_size * train.batch_size
@@ -793,6 +828,11 @@ class RLConfig:
             self.generation.backend == "transformers",
             "generation.continuous_batching",
             "is the transformers backend's (vLLM batches continuously by itself): use -b transformers",
+        )
+        _require(
+            self.environment.name is None,
+            "generation.continuous_batching",
+            "decodes single-turn responses; --env episodes take turns: leave out one of the two",
         )
 
 

@@ -148,6 +148,10 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(("-cv", "--code-verifier-url"), "reward.code_verifier_url"),
     Flag(("--max-infra-error-fraction",), "reward.max_infra_error_fraction"),
+    # environments (multi-turn rollouts)
+    Flag(("--env",), "environment.name"),
+    Flag(("--max-turns",), "environment.max_turns"),
+    Flag(("--max-total-tokens",), "environment.max_total_tokens"),
     # run
     Flag(("-p", "--project"), "run.project"),
     Flag(("-sd", "--save-dir"), "run.save_dir"),

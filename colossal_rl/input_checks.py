@@ -36,6 +36,9 @@ def check_inputs(config: RLConfig) -> CheckedInputs:
     check_images(config, sources, model_is_vision_language(config.model.path))
     if config.reward.reward_fn is not None:
         check_reward_plugin(config.reward.reward_fn, train_rows[0], config.data.train_path)
+    if config.environment.name is not None:
+        check_environment_spec(config, train_rows[0])
+        check_episode_fits_vllm(config)
     return CheckedInputs(train_rows=len(train_rows))
 
 
@@ -59,9 +62,9 @@ def check_model(model: str) -> None:
         )
 
 
-def model_is_vision_language(model: str) -> bool:
-    """Whether the model's config.json (local, or in the hub cache) has a ``vision_config``; False if unreadable
-    here (the producers' and trainers' own loads then say why)."""
+def model_config_json(model: str) -> dict | None:
+    """The model's config.json (local, or in the hub cache) as a dict; None if unreadable here (the producers' and
+    trainers' own loads then say why)."""
     import json
 
     path = Path(model).expanduser() / "config.json"
@@ -70,12 +73,19 @@ def model_is_vision_language(model: str) -> bool:
 
         cached = try_to_load_from_cache(model, "config.json")
         if not isinstance(cached, str):
-            return False
+            return None
         path = Path(cached)
     try:
-        return json.loads(path.read_text()).get("vision_config") is not None
+        loaded = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def model_is_vision_language(model: str) -> bool:
+    """Whether the model's config.json has a ``vision_config``; False if unreadable here."""
+    loaded = model_config_json(model)
+    return loaded is not None and loaded.get("vision_config") is not None
 
 
 def check_images(config: RLConfig, sources: dict[str, list[dict]], vision_language: bool) -> None:
@@ -135,3 +145,39 @@ def check_reward_plugin(spec: str, row: dict, source: str) -> None:
             f"--reward-fn {spec!r}: scoring an empty response to the first row of {source} raised "
             f"{type(error).__name__}: {error}"
         ) from None
+
+
+def check_environment_spec(config: RLConfig, row: dict) -> None:
+    """``--env`` names a registered environment or a plug-in class that opens an episode on the first training
+    row (its constructor gets a context without a reward scorer here: nothing is scored before Ray starts)."""
+    from colossal_rl.environments import EnvironmentConfigError, EnvironmentContext, check_environment
+    from colossal_rl.prompts import system_prompt_for
+
+    if model_is_vision_language(config.model.path):
+        raise InputError(f"--env: multi-turn rollouts take text-only models; {config.model.path} has a vision tower")
+    context = EnvironmentContext(
+        reward_scorer=None, system_prompt=system_prompt_for(config.reward.reward_type, config.data.system_prompt)
+    )
+    try:
+        check_environment(config.environment.name, row, context)
+    except EnvironmentConfigError as error:
+        raise InputError(f"{error} (first row of {config.data.train_path})") from None
+
+
+def check_episode_fits_vllm(config: RLConfig) -> None:
+    """``--env`` with ``-b vllm``: an episode's sequence (-mpt + --max-total-tokens) must fit the model's context.
+
+    A single-turn vLLM engine is sized to ``min(-mpt + -mnt, the model's context)``; an episode grows turn by turn
+    towards -mpt + --max-total-tokens, and a turn past the engine's ``max_model_len`` would fail mid-run.
+    """
+    if config.generation.backend != "vllm" or config.generation.vllm.max_model_len is not None:
+        return  # the transformers backend has no engine length; a configured max_model_len is checked by validate()
+    loaded = model_config_json(config.model.path) or {}
+    context = (loaded.get("text_config") or {}).get("max_position_embeddings") or loaded.get("max_position_embeddings")
+    if isinstance(context, int) and config.max_sequence_tokens > context:
+        raise InputError(
+            f"--env with -b vllm: an episode may reach -mpt + --max-total-tokens = {config.data.max_prompt_tokens} + "
+            f"{config.environment.max_total_tokens} = {config.max_sequence_tokens} tokens, more than "
+            f"{config.model.path}'s context of {context}; lower -mpt/--max-prompt-tokens (the longest prompt, tools "
+            "included) or --max-total-tokens"
+        )

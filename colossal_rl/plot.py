@@ -2,7 +2,8 @@
 
     python -m colossal_rl.plot RUN_DIR [--out DIR]    # one PNG per figure into RUN_DIR/plots (or DIR)
 
-Figures: reward, accuracy, eval accuracy (one line per task), response length, KL, entropy and, for
+Figures: reward, accuracy, eval accuracy (one line per task), response length, tool use (multi-turn runs:
+tool-call rate in rollouts and evals, calls and turns per episode), KL, entropy and, for
 runs with ``--enable_profiling``, the producer/trainer timeline (phases as horizontal bars per actor
 over wall time, drawn by :func:`colossal_rl.profiling.render_timeline`). A figure none of whose
 metrics were logged (KL with ``-kl 0``, say) is skipped with a note, never an error. The module only
@@ -46,6 +47,11 @@ FIGURES = (
     Figure(name="accuracy", title="accuracy", patterns=("train/accuracy", "rollout/accuracy")),
     Figure(name="eval_accuracy", title="eval accuracy", patterns=("eval/*_accuracy",)),
     Figure(name="response_length", title="response length (tokens)", patterns=("rollout/response_length",)),
+    Figure(
+        name="tool_calls",
+        title="tool use (--env): share of episodes calling a tool, calls and turns per episode",
+        patterns=("rollout/tool_call_rate", "eval/*_tool_call_rate", "rollout/tool_calls", "rollout/turns"),
+    ),
     Figure(name="kl", title="KL to the reference policy", patterns=("train/kl",)),
     Figure(name="entropy", title="policy entropy", patterns=("train/entropy",)),
 )

@@ -13,7 +13,8 @@ class EvalResult:
     """mean@k: the fraction of correct responses over every prompt's ``samples_per_prompt`` responses."""
     num_prompts: int
     records: list[dict]
-    """Per response: index, sample, response, gt_answer, reward, correct, status."""
+    """Per response: index, sample, response, gt_answer, reward, correct, status; through an environment (``--env``)
+    also turns and tool_calls."""
     pass_at_k: float | None = None
     """The fraction of prompts with at least one correct response; None with one response per prompt."""
     samples_per_prompt: int = 1
@@ -50,4 +51,15 @@ def aggregate_eval(
     logged = {f"eval/{task}_accuracy": value for task, value in accuracy.items()}
     if samples_per_prompt > 1:
         logged |= {f"eval/{task}_pass@{samples_per_prompt}": passed[task] / max(counts[task], 1) for task in passed}
+    logged |= tool_call_rates(records)
     return accuracy, logged, records
+
+
+def tool_call_rates(records: dict[str, list[dict]]) -> dict[str, float]:
+    """``eval/<task>_tool_call_rate``: the fraction of a task's responses that called a tool at least once, for
+    tasks evaluated through an environment (their records count ``tool_calls``; single-turn records do not)."""
+    return {
+        f"eval/{task}_tool_call_rate": sum(r["tool_calls"] > 0 for r in rows) / len(rows)
+        for task, rows in records.items()
+        if rows and all("tool_calls" in r for r in rows)
+    }

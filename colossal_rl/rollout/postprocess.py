@@ -25,7 +25,8 @@ def postprocess_rollout(
     """Shape rewards, mask and filter samples, and attach advantages; None when no group survives.
 
     In order: (1) DAPO's soft over-length penalty is added to the rewards the advantages see
-    (``batch.rewards`` keeps the verifier's reward); (2) truncated responses leave ``loss_mask``;
+    (``batch.rewards`` keeps the verifier's reward; lengths count policy tokens, against ``max_new_tokens``: the
+    per-response budget, an episode's ``max_total_tokens`` for multi-turn rollouts); (2) truncated responses leave ``loss_mask``;
     (3) dynamic sampling drops groups whose accuracy over loss-masked-in samples lies outside
     ``algo.filter_range`` (before advantages, so batch-level estimators see only kept groups);
     (4) ``algo.advantage_estimator`` computes advantages over the samples in ``loss_mask`` (token-weighted
@@ -44,7 +45,7 @@ def postprocess_rollout(
     }
     shaped_rewards = batch.rewards.float()
     if algo.soft_over_length_punishment:
-        lengths = batch.response_mask.sum(-1)
+        lengths = batch.policy_token_mask().sum(-1)  # multi-turn: the policy's tokens, not the environment's
         penalty = soft_over_length_penalty(lengths, max_new_tokens, algo.cache_length)
         shaped_rewards = shaped_rewards + penalty
         metrics["rollout/over_length_penalty_mean"] = float(penalty.mean())
@@ -72,7 +73,7 @@ def postprocess_rollout(
         batch.group_size,
         algo.advantage_eps,
         valid_mask=batch.loss_mask,
-        response_lengths=batch.response_mask.sum(-1),
+        response_lengths=batch.policy_token_mask().sum(-1),  # multi-turn: the policy's own tokens
     )
     if algo.mask_zero_advantage:  # e.g. online DPO: only the paired samples are trained
         batch = replace(batch, loss_mask=batch.loss_mask * (advantages != 0).to(batch.loss_mask.dtype))

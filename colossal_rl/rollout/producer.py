@@ -99,6 +99,12 @@ class Producer:
         self._infra_errors = 0
         self._scored = 0
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
+        self.environments = None
+        """``--env``: the multi-turn rollouts (``rollout/environment_rollout.py``); None: single-turn."""
+        if config.environment.name is not None:
+            from colossal_rl.rollout.environment_rollout import EnvironmentRollouts
+
+            self.environments = EnvironmentRollouts(config, self.tokenizer, reward_scorer, self.backend.pad_token_id)
         self.engine = self._start_engine(config) if config.generation.continuous_batching else None
         """``--continuous-batching``: the decode engine every ``produce_chunk`` call feeds (``engine_service.py``)."""
 
@@ -123,7 +129,7 @@ class Producer:
             tensor_parallel_size=config.generation.tensor_parallel_size,
             seed=config.run.seed,
             vllm_engine=config.generation.vllm,
-            max_sequence_tokens=config.data.max_prompt_tokens + config.generation.max_new_tokens,
+            max_sequence_tokens=config.max_sequence_tokens,
             trust_remote_code=config.model.trust_remote_code,
             weights_dtype=VLLM_DTYPES[resolve_precision(config.parallel.precision, on_gpu=torch.cuda.is_available())],
             images_per_prompt=config.data.limit_images,
@@ -220,6 +226,8 @@ class Producer:
         started = time.perf_counter()
         group_size = self.config.generation.num_generations
         torch.manual_seed(self.config.run.seed * 1_000_003 + seed_index * 1009 + self.rank)
+        if self.environments is not None:
+            return self._environment_rollout(row_indices, seed_index=seed_index, started=started)
         with self.phases.record("generate"):
             output, vision = self._generate(self.train_data, row_indices, group_size, self._train_sampling())
         return self._scored_rollout(row_indices, output, vision, self.policy_version, started, seed_index)
@@ -274,10 +282,54 @@ class Producer:
         )
         return processed, metrics
 
+    def _environment_rollout(
+        self, row_indices: list[int], *, seed_index: int, started: float
+    ) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """``--env``: multi-turn episodes of ``row_indices``, scored by their environments, post-processed."""
+        from colossal_rl.rollout.environment_rollout import episodes_batch
+        from colossal_rl.rollout.multi_turn import turn_metrics
+
+        group_size = self.config.generation.num_generations
+        with self.phases.record("generate"):
+            rows = [self.train_data.rows[i] for i in row_indices]
+            output = self.environments.run(self.backend, rows, group_size, self._train_sampling())
+        generate_seconds = time.perf_counter() - started
+        self._count_statuses([e.status for e in output.episodes])
+        batch = episodes_batch(
+            output,
+            self.tokenizer,
+            group_size=group_size,
+            policy_version=self.policy_version,
+            round_index=seed_index,
+            producer_rank=self.rank,
+            prompts=[self.tokenizer.decode(e.prompt_ids) for e in output.episodes[::group_size]],
+            data_indices=row_indices,
+        )
+        with self.phases.record("postprocess"):
+            processed, metrics = postprocess_rollout(
+                batch, self.config.algorithm, self.config.environment.max_total_tokens
+            )
+        metrics.update(turn_metrics(output.episodes))
+        metrics.update(
+            {
+                "rollout/response_length": float(output.policy_mask.sum(1).float().mean()),  # the policy's tokens
+                "rollout/truncated_fraction": float(output.truncated.float().mean()),
+                "rollout/infra_error_fraction": float(1 - batch.loss_mask.mean()),
+                "time/generate_s": generate_seconds,
+                "time/produce_s": time.perf_counter() - started,
+            }
+        )
+        return processed, metrics
+
     def _score(self, responses: list[str], rows: list[dict]) -> list:
         records = self.reward_scorer.score_batch(responses, rows)
-        self._scored += len(records)
-        self._infra_errors += sum(r.status == "infra_error" for r in records)
+        self._count_statuses([r.status for r in records])
+        return records
+
+    def _count_statuses(self, statuses: list[str]) -> None:
+        """Count rewards and infra errors; stop the run when too many rewards could not be computed."""
+        self._scored += len(statuses)
+        self._infra_errors += sum(status == "infra_error" for status in statuses)
         limit = self.config.reward.max_infra_error_fraction
         if self._scored >= 64 and self._infra_errors / self._scored > limit:
             raise InfraErrorRateExceeded(
@@ -285,7 +337,6 @@ class Producer:
                 f"than --max-infra-error-fraction {limit} (verifier, sandbox or --reward-fn broken?); see the "
                 "reward records' details"
             )
-        return records
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, policy_version: int, named_tensors: dict[str, torch.Tensor]) -> None:
@@ -341,8 +392,13 @@ class Producer:
         if not indices:
             return EvalResult(task=task, accuracy=0.0, num_prompts=0, records=[], samples_per_prompt=k)
         torch.manual_seed(self.config.run.seed + 7 * self.rank)
-        output, _ = self._generate(dataset, indices, k, self._eval_sampling())
         rows = [dataset.rows[i] for i in indices for _ in range(k)]  # group-major, like the responses
+        if self.environments is not None:
+            from colossal_rl.rollout.environment_rollout import eval_records
+
+            episodes = self.environments.run(self.backend, [dataset.rows[i] for i in indices], k, self._eval_sampling())
+            return self._eval_result(task, indices, eval_records(episodes, self.tokenizer, rows, indices, k))
+        output, _ = self._generate(dataset, indices, k, self._eval_sampling())
         scored = self.reward_scorer.score_batch(output.responses, rows)
         records = [
             {
@@ -356,6 +412,10 @@ class Producer:
             }
             for n, (text, row, rec) in enumerate(zip(output.responses, rows, scored, strict=True))
         ]
+        return self._eval_result(task, indices, records)
+
+    def _eval_result(self, task: str, indices: list[int], records: list[dict]) -> EvalResult:
+        k = self.config.generation.eval_samples
         per_prompt = [[bool(r["correct"]) for r in records[i * k : (i + 1) * k]] for i in range(len(indices))]
         mean_at_k, pass_at_k = mean_and_pass_at_k(per_prompt)
         return EvalResult(

@@ -96,7 +96,7 @@ class StepLoss:
             behaviour_logprobs=micro.behaviour_logprobs,
             ref_logprobs=None if ref_logprobs is None else ref_logprobs[start:stop],
             advantages=micro.advantages,
-            response_mask=micro.response_mask,
+            response_mask=micro.policy_token_mask(),  # multi-turn: the environment's tokens are context only
             loss_mask=micro.loss_mask,
             algo=self.algorithm,
             global_token_count=self.counts.trained_tokens,

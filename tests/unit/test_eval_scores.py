@@ -43,3 +43,14 @@ def test_producers_shares_are_joined_weighted_by_their_prompts():
     assert records == {"math": [{"index": 0}, {"index": 1}], "gsm": []}
     _, one_sample, _ = aggregate_eval(shares, samples_per_prompt=1)
     assert set(one_sample) == {"eval/math_accuracy", "eval/gsm_accuracy"}  # no pass@k with one response
+
+
+def test_environment_evals_log_the_share_of_responses_that_called_a_tool():
+    from colossal_rl.rollout.eval_result import aggregate_eval
+
+    calls = [{"index": 0, "tool_calls": 2}, {"index": 1, "tool_calls": 0}, {"index": 2, "tool_calls": 1}]
+    shares = [[_result("arith", 2 / 3, 3, records=calls), _result("math", 1.0, 1, records=[{"index": 0}])]]
+    _, logged, _ = aggregate_eval(shares, samples_per_prompt=1)
+    assert logged == pytest.approx(
+        {"eval/arith_accuracy": 2 / 3, "eval/math_accuracy": 1.0, "eval/arith_tool_call_rate": 2 / 3}
+    )  # single-turn records (no tool_calls) log no rate

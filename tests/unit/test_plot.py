@@ -61,6 +61,25 @@ def test_wildcards_expand_to_every_eval_task_and_unlogged_figures_are_empty(tmp_
     assert figure_series([], Figure(name="x", title="x", patterns=("train/*",))) == {}
 
 
+def test_multi_turn_runs_get_a_tool_use_figure_from_rollouts_and_evals(tmp_path):
+    metrics = MetricsLogger(tmp_path, "plot-test", {}, use_wandb=False)
+    for step, rate in enumerate((0.25, 0.5, 0.9)):
+        metrics.log(
+            "rollout", step, {"rollout/tool_call_rate": rate, "rollout/tool_calls": rate, "rollout/turns": 1 + rate}
+        )
+    metrics.log("eval", 0, {"eval/arith_accuracy": 0.0, "eval/arith_tool_call_rate": 0.0})
+    metrics.log("eval", 3, {"eval/arith_accuracy": 0.9, "eval/arith_tool_call_rate": 1.0})
+    metrics.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    tools = {figure.name: figure for figure in FIGURES}["tool_calls"]
+    drawn = figure_series(records, tools)
+    assert list(drawn) == ["rollout/tool_call_rate", "eval/arith_tool_call_rate", "rollout/tool_calls", "rollout/turns"]
+    assert drawn["rollout/tool_call_rate"] == ([0, 1, 2], [0.25, 0.5, 0.9])
+    assert drawn["eval/arith_tool_call_rate"] == ([0, 3], [0.0, 1.0])
+    assert main([str(tmp_path)]) == 0
+    assert "tool_calls" in {path.stem for path in (tmp_path / "plots").glob("*.png")}
+
+
 # ---------------------------------------------------------------------- the command
 def test_main_writes_one_valid_png_per_logged_figure_and_the_timeline(tmp_path, caplog):
     run_dir = write_run(tmp_path / "run")

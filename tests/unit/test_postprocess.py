@@ -1,5 +1,7 @@
 """postprocess_rollout: reward shaping, masking, dynamic sampling and advantages on a RolloutBatch."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -59,6 +61,17 @@ def test_soft_over_length_punishment_shapes_the_advantages_not_the_rewards():
     shaped = torch.tensor([1.0, 1.0, 0.5, 0.0])
     assert_close(processed.advantages, grpo_advantages(shaped, GROUP, algo.advantage_eps))
     assert metrics["rollout/over_length_penalty_mean"] == -1.5 / 4
+
+
+def test_over_length_penalty_counts_the_policys_tokens_not_the_environments():
+    algo = AlgorithmConfig(soft_over_length_punishment=True, cache_length=4)
+    batch = _batch([1, 1, 1, 1], [1, 1, 1, 1], [8, 8, 8, 8])  # 8 response tokens each, tool results among them
+    policy_mask = torch.ones(4, MAX_NEW_TOKENS, dtype=torch.long)
+    policy_mask[:, 2:] = torch.tensor([[0] * 6, [0] * 4 + [1] * 2, [1, 1] + [0] * 4, [1] * 6])  # 2, 4, 4, 8 sampled
+    _, metrics = postprocess_rollout(replace(batch, policy_mask=policy_mask), algo, MAX_NEW_TOKENS)
+    assert metrics["rollout/over_length_penalty_mean"] == -1 / 4  # only the last is too long: penalties 0, 0, 0, -1
+    _, all_tokens = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
+    assert all_tokens["rollout/over_length_penalty_mean"] == -1.0  # counting every token would punish all four
 
 
 def test_truncated_responses_leave_the_loss():

@@ -50,6 +50,7 @@ def test_unknown_schedule_is_refused_by_the_parser():
         ([*STREAM, "--ppo-epochs", "2"], "^--schedule: stream does not support several passes"),
         (["--continuous-batching"], "^--continuous-batching: continuous batching feeds the stream schedule"),
         ([*STREAM, "--continuous-batching", "-b", "vllm"], "^--continuous-batching: is the transformers backend's"),
+        ([*STREAM, "--continuous-batching", "--env", "calculator"], "^--continuous-batching: decodes single-turn"),
     ],
 )
 def test_unsupported_or_bad_stream_settings_fail_in_one_line_naming_the_flag(argv, message):
