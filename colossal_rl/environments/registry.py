@@ -8,17 +8,13 @@ the file. Importing this module imports neither torch nor the sandbox.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from colossal_rl.algorithms.registry import Registry
 from colossal_rl.environments.base import Environment, EnvironmentContext
+from colossal_rl.reward.plugin_specs import load_spec
 
 EnvironmentFactory = Callable[[EnvironmentContext], Environment]
 ENVIRONMENTS: Registry[EnvironmentFactory] = Registry("environment")
@@ -66,12 +62,9 @@ def environment_factory(spec: str) -> EnvironmentFactory:
 
 def load_environment_class(spec: str) -> type:
     """The class ``spec`` names, checked to have ``reset`` and ``step`` and a constructor taking (context) or ()."""
-    location, _, attribute = spec.rpartition(":")
-    if not location or not attribute:
-        raise EnvironmentConfigError(f"--env {spec!r}: expected 'path/to/file.py:Class' or 'module:Class'")
-    is_file = location.endswith(".py") or "/" in location
-    module = _load_file(spec, location) if is_file else _import(spec, location)
-    cls = getattr(module, attribute, None)
+    location, attribute, cls = load_spec(
+        spec, label="--env", kind="Class", module_prefix="colossal_rl_user_env", error=EnvironmentConfigError
+    )
     if not inspect.isclass(cls):
         found = "nothing" if cls is None else f"a {type(cls).__name__}"
         raise EnvironmentConfigError(f"--env {spec!r}: {location} has {found} named {attribute!r}, not a class")
@@ -97,36 +90,6 @@ def _plugin_factory(spec: str, cls: type) -> EnvironmentFactory:
     if _takes_context(spec, cls):
         return lambda context: cls(context)
     return lambda context: cls()
-
-
-def _load_file(spec: str, path_text: str):
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise EnvironmentConfigError(f"--env {spec!r}: file {path} does not exist")
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-    name = f"colossal_rl_user_env_{path.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise EnvironmentConfigError(f"--env {spec!r}: {path} is not an importable Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:  # whatever the user's module raises, named in one line
-        del sys.modules[name]
-        raise EnvironmentConfigError(
-            f"--env {spec!r}: importing {path} failed: {type(error).__name__}: {error}"
-        ) from None
-    return module
-
-
-def _import(spec: str, module_name: str):
-    try:
-        return importlib.import_module(module_name)
-    except Exception as error:
-        raise EnvironmentConfigError(f"--env {spec!r}: cannot import module {module_name!r}: {error}") from None
 
 
 def check_environment(spec: str, row: dict[str, Any], context: EnvironmentContext) -> None:
