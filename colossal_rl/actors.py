@@ -30,7 +30,15 @@ if TYPE_CHECKING:  # torch is imported by the producer and trainer actors only: 
 logger = logging.getLogger(__name__)
 
 
+WARM_COMPILE_POOL_VARIABLE = "TORCH_WARM_POOL"
+"""torch (2.5, with triton installed) starts a pool of compile-worker processes (1 + one per core, each importing
+torch: 2.6 s of CPU and ~3 processes a trainer on this machine) as soon as anything imports
+``torch._inductor`` (ColossalAI does). Nothing here uses ``torch.compile``; the pool would start on first use
+anyway. Set to 1 to keep torch's warm pool."""
+
+
 def _configure_worker(num_threads: int) -> None:
+    os.environ.setdefault(WARM_COMPILE_POOL_VARIABLE, "0")  # before torch._inductor is imported
     import torch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
