@@ -14,6 +14,7 @@ from colossal_rl.environments import StepResult
 from colossal_rl.presets import grpo
 from colossal_rl.rollout.backend import SamplingSettings
 from colossal_rl.rollout.chat_turns import ChatTurns
+from colossal_rl.rollout.environment_rollout import episodes_batch
 from colossal_rl.rollout.multi_turn import MultiTurnLimits, collate, run_episodes
 from colossal_rl.rollout.transformers_backend import TransformersBackend
 from colossal_rl.training.objective import objective_for
@@ -50,20 +51,9 @@ def rollout():
     limits = MultiTurnLimits(max_turns=3, max_total_tokens=100)
     episodes = run_episodes(backend, ChatTurns(backend.tokenizer), [TryAgain() for _ in rows], rows, sampling, limits)
     output = collate(episodes, backend.pad_token_id)
-    batch = RolloutBatch(
-        prompt_ids=output.prompt_ids,
-        prompt_mask=output.prompt_mask,
-        response_ids=output.response_ids,
-        response_mask=output.response_mask,
-        policy_mask=output.policy_mask,
-        behaviour_logprobs=output.behaviour_logprobs,
-        rewards=output.rewards,
-        answer_correct=output.rewards,
-        loss_mask=torch.ones(len(rows)),
-        truncated=output.truncated,
-        advantages=torch.tensor([1.0, -0.5, 0.75, -1.0]),
-        group_size=GROUP_SIZE,
-        policy_version=0,
+    advantages = torch.tensor([1.0, -0.5, 0.75, -1.0])
+    batch = episodes_batch(output, backend.tokenizer, group_size=GROUP_SIZE, policy_version=0).with_advantages(
+        advantages
     )
     return backend, episodes, batch
 
