@@ -479,6 +479,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="",
         tests=("tests/unit/test_vllm_weights.py::test_a_reload_rebuilds_the_kernels_of_kept_weights",),
     ),
+    Mutation(
+        name="failed_collective_keeps_its_group",
+        why="a member whose broadcast failed keeps its group open: members below a dead one wait out --timeout",
+        path="colossal_rl/comm/process_group.py",
+        old="            self._release_members()\n",
+        new="",
+        tests=(
+            "tests/unit/test_collective_timeouts.py::"
+            "test_a_member_below_a_dead_one_fails_at_once_instead_of_waiting_out_the_timeout",
+        ),
+    ),
+    Mutation(
+        name="workers_warm_the_compile_pool",
+        why="every trainer and producer starts torch's idle compile-worker processes",
+        path="colossal_rl/actors.py",
+        old='    os.environ.setdefault(WARM_COMPILE_POOL_VARIABLE, "0")  # before torch._inductor is imported\n',
+        new="",
+        tests=("tests/unit/test_worker_setup.py::test_a_worker_starts_no_idle_compile_processes",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -120,17 +120,23 @@ def test_a_gloo_broadcast_to_a_member_that_died_fails_the_same_way():
 def test_a_member_below_a_dead_one_fails_at_once_instead_of_waiting_out_the_timeout():
     """gloo broadcasts down a tree: with member 1 dead, the sender fails sending to it and never reaches member 2.
     The sender leaves the group on that failure, so member 2's receive fails as a member death (CollectiveError),
-    not as a CollectiveTimeoutError after ``timeout_s`` (a run's ``--timeout``: its recovery waited that long)."""
-    port, timeout_s = find_free_port(), 60.0
+    not as a CollectiveTimeoutError after ``timeout_s`` (a run's ``--timeout``: its recovery waited that long).
+    The sender's process lives on until member 2 has its answer, as a trainer does after a failed sync."""
+    import multiprocessing
+
+    port, timeout_s = find_free_port(), 20.0
+    member_2_done = multiprocessing.get_context("fork").Event()
 
     def sender():
         group = create_standalone_group("gloo", 0, 3, "127.0.0.1", port, timeout_s=timeout_s)
         time.sleep(1.0)  # member 1's process has ended
         try:
             group.broadcast(torch.ones(1024), 0)
+            return None
         except CollectiveError as error:
-            return error
-        return None
+            failure = CollectiveError(str(error))  # what Ray keeps of a failed call: its text, not its frames
+        member_2_done.wait(timeout_s + 10)  # the process lives on, its group object still referenced
+        return failure
 
     def dying_member():
         create_standalone_group("gloo", 1, 3, "127.0.0.1", port, timeout_s=timeout_s)
@@ -140,11 +146,13 @@ def test_a_member_below_a_dead_one_fails_at_once_instead_of_waiting_out_the_time
         group = create_standalone_group("gloo", 2, 3, "127.0.0.1", port, timeout_s=timeout_s)
         try:
             group.broadcast(torch.zeros(1024), 0)
+            return None
         except CollectiveError as error:
             return error
-        return None
+        finally:
+            member_2_done.set()
 
-    sent, _, received = run_members([sender, dying_member, member_below], timeout_s=timeout_s / 2)
+    sent, _, received = run_members([sender, dying_member, member_below], timeout_s=2 * timeout_s)
     assert isinstance(sent, CollectiveError), sent
     assert isinstance(received, CollectiveError) and not isinstance(received, CollectiveTimeoutError), received
 
