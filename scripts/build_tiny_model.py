@@ -206,15 +206,21 @@ def prefix_shared_loss(model: Qwen2ForCausalLM, prefix: list[int], suffixes, num
     and values are computed once with gradients and broadcast over the batch. Mathematically the same
     loss as the full batch, several times cheaper on CPU.
     """
+    input_ids, suffix_mask, labels = make_suffix_batch(suffixes, num_unlabelled, pad_token_id)
+    return loss_after_shared_prefix(model, prefix, input_ids, suffix_mask, labels)
+
+
+def loss_after_shared_prefix(model, prefix: list[int], input_ids, suffix_mask, labels) -> torch.Tensor:
+    """Loss of the suffix rows ``input_ids`` [B, S] (``labels`` -100 where untrained) after ``prefix``, whose keys
+    and values are computed once, with gradients, and broadcast over the batch."""
     prefix_cache = model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
-    batch_size = len(suffixes)
+    batch_size = input_ids.shape[0]
     cache = DynamicCache.from_legacy_cache(
         tuple(
             (k.expand(batch_size, -1, -1, -1), v.expand(batch_size, -1, -1, -1))
             for k, v in prefix_cache.to_legacy_cache()
         )
     )
-    input_ids, suffix_mask, labels = make_suffix_batch(suffixes, num_unlabelled, pad_token_id)
     attention_mask = torch.cat([torch.ones(batch_size, len(prefix), dtype=torch.long), suffix_mask], dim=1)
     position_ids = torch.arange(len(prefix), len(prefix) + input_ids.shape[1]).expand(batch_size, -1)
     output = model(

@@ -48,10 +48,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_tiny_model import _lr_factor, build_model, build_tokenizer, write_jsonl  # noqa: E402
+from build_tiny_model import (  # noqa: E402
+    _lr_factor,
+    build_model,
+    build_tokenizer,
+    loss_after_shared_prefix,
+    write_jsonl,
+)
 
 from colossal_rl.config import ASSETS_DIR  # noqa: E402
 from colossal_rl.environments import EnvironmentContext  # noqa: E402
@@ -237,23 +243,8 @@ def masked_batch(sequences: list[tuple[list[int], list[int]]], skip: int, pad_to
 
 def batch_loss(model, prefix: list[int], sequences, pad_token_id: int) -> torch.Tensor:
     """Loss of the policy tokens of ``sequences`` (which all start with ``prefix``), the prefix run once."""
-    cache_one = model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
-    size = len(sequences)
-    cache = DynamicCache.from_legacy_cache(
-        tuple((k.expand(size, -1, -1, -1), v.expand(size, -1, -1, -1)) for k, v in cache_one.to_legacy_cache())
-    )
     input_ids, suffix_mask, labels = masked_batch(sequences, len(prefix), pad_token_id)
-    attention_mask = torch.cat([torch.ones(size, len(prefix), dtype=torch.long), suffix_mask], dim=1)
-    position_ids = torch.arange(len(prefix), len(prefix) + input_ids.shape[1]).expand(size, -1)
-    output = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        labels=labels,
-        use_cache=False,
-    )
-    return output.loss
+    return loss_after_shared_prefix(model, prefix, input_ids, suffix_mask, labels)
 
 
 def pretrain(model, tokenizer, episodes: list[Episodes], task: TaskSpec, train: TrainSpec) -> None:
