@@ -1,8 +1,8 @@
 """``rl_example.py -b vllm`` end to end: producers on the real vLLM engine in their own environment (torch 2.13,
 transformers 5), trainers on ColossalAI's stack (torch 2.5.1), weights crossing the two over the gloo weight sync.
 
-- The default run with ``-b vllm`` learns like the default run (eval lift >= ``DEFAULT_RUN_MIN_GAIN``), its engine
-  killed once mid-run (the producer is restarted with a new engine).
+- The default run with ``-b vllm`` (its first ``DEFAULT_RUN_STEPS`` steps) learns like the default run (eval lift
+  >= ``DEFAULT_RUN_MIN_GAIN``), its engine killed once mid-run (the producer is restarted with a new engine).
 - LoRA (``--lora-rank``): only adapters cross, the producer merges them into the checkpoint's base weights; on
   policy, every step's log-probs equal vLLM's and the policy the engine serves moves (eval changes).
 - A head_dim-16 model is refused in one line; no producer environment is one clear line and no hang.
@@ -22,6 +22,7 @@ from run_processes import marked_env, new_marker, processes_of_run
 from tiny_models import build_head_dim_16
 from vllm_runs import (
     DEFAULT_RUN_MIN_GAIN,
+    DEFAULT_RUN_STEPS,
     LORA,
     MIN_MOVEMENT_PER_STEP,
     REPO,
@@ -39,12 +40,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.dist]
 
 
 def test_the_default_run_on_vllm_learns_also_when_its_engine_dies(producer_python, tmp_path):
-    """The default run with ``-b vllm`` learns like the default run, with its engine killed once mid-run.
+    """The default run with ``-b vllm``, cut to its first eval interval, learns like the default run, with its engine
+    killed once mid-run.
 
     The engine core is a child process of the producer: killed, the producer's watchdog says so in one line and ends
     the producer, which Ray restarts with a new engine and the current weights (``--max-actor-restarts`` default 2);
     the run trains every step once and still lifts eval accuracy by ``DEFAULT_RUN_MIN_GAIN``."""
-    run = Run([sys.executable, str(REPO / "rl_example.py"), "-b", "vllm", "--no-wandb", "-sd", str(tmp_path)])
+    run = Run([sys.executable, str(REPO / "rl_example.py"), "-b", "vllm", "--no-wandb", "--max-steps", str(DEFAULT_RUN_STEPS),
+               "-sd", str(tmp_path)])  # fmt: skip
     run.wait_for(lambda: "optimizer steps:" in run.output, "training started", timeout_s=600)
     engines = run.wait_for(
         lambda: [pid for pid, command in processes_of_run(run.marker).items() if "EngineCore" in command],
