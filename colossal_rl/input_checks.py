@@ -105,6 +105,11 @@ def check_images(config: RLConfig, sources: dict[str, list[dict]], vision_langua
                         "a text-only model: use a vision-language model (Qwen2.5-VL), or drop the column"
                     )
         return
+    if config.generation.continuous_batching:
+        raise InputError(
+            f"--continuous-batching: -m/--model {config.model.path} is a vision-language model; continuous batching "
+            "decodes text-only models (leave out --continuous-batching)"
+        )
     if parallel.tp_size > 1 or parallel.pp_size > 1:
         raise InputError(
             f"-m/--model {config.model.path} is a vision-language model: it trains under DDP and ZeRO only "

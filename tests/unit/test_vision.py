@@ -294,6 +294,14 @@ def test_input_checks_refuse_what_cannot_train_naming_it(vlm_dir, image_rows, tm
     assert check_inputs(vision_config(vlm_dir, image_rows)).train_rows == 4
     with pytest.raises(InputError, match="vision-language model: it trains under DDP and ZeRO only"):
         check_inputs(vision_config(vlm_dir, image_rows, tp_size=2))
+    streamed = vision_config(vlm_dir, image_rows)
+    streamed = replace(
+        streamed,
+        schedule=replace(streamed.schedule, mode="stream"),
+        generation=replace(streamed.generation, continuous_batching=True),
+    )
+    with pytest.raises(InputError, match="--continuous-batching: .* is a vision-language model"):
+        check_inputs(streamed)
     text_model = vision_config(EMBEDDED_MODEL_DIR, image_rows)
     with pytest.raises(InputError, match=r"train.jsonl row 1 has images \(--image-key images\) but .* text-only"):
         check_inputs(text_model)
