@@ -492,7 +492,9 @@ class ScheduleConfig:
     """Producers may generate with weights this many versions older than the trainers'; staler batches are dropped."""
     max_steps: int | None = None
     """Stop after the round in which this many optimizer steps are reached: a round's steps are trained
-    together, so the run takes the next multiple of ``optimizer_steps_per_round`` (None: run all episodes)."""
+    together, so the run takes the next multiple of ``optimizer_steps_per_round`` (None: run all episodes).
+    With dynamic sampling (DAPO's ``filter_range``) a round trains fewer steps; the run goes on past the rounds
+    this count would take unfiltered, until the steps are reached or the episodes end."""
     mode: ScheduleMode = "rounds"
     """``rounds``: every producer generates a round, the trainers train it whole, then one weight sync.
     ``stream``: producers generate chunks of ``generation.microbatch_size`` prompts back to back and every

@@ -124,9 +124,20 @@ def total_rounds(config: RLConfig, num_rows: int) -> int:
             f"(-i {config.schedule.num_producers} x -ibs {config.schedule.inference_batch_size})"
         )
     rounds = schedule.rounds_per_episode * config.schedule.num_episodes
-    if config.schedule.max_steps is not None:
-        rounds = min(rounds, math.ceil(config.schedule.max_steps / config.optimizer_steps_per_round))
+    if config.schedule.max_steps is not None and config.algorithm.filter_range is None:
+        rounds = min(rounds, planned_steps(config, rounds) // config.optimizer_steps_per_round)
     return rounds
+
+
+def planned_steps(config: RLConfig, rounds: int) -> int:
+    """Optimizer steps ``rounds`` rounds train when no group is filtered out: all of them, or ``--max-steps``
+    rounded up to a whole round. With dynamic sampling (``filter_range``) rounds train fewer steps, so
+    :func:`total_rounds` leaves the rounds uncapped and ``Driver.run`` stops once ``--max-steps`` are trained."""
+    per_round = config.optimizer_steps_per_round
+    steps = rounds * per_round
+    if config.schedule.max_steps is not None:
+        steps = min(steps, math.ceil(config.schedule.max_steps / per_round) * per_round)
+    return steps
 
 
 @dataclass
@@ -343,7 +354,10 @@ class Driver:
 
     # ------------------------------------------------------------------ the round loop
     def run(self, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
-        total_steps = rounds * self.config.optimizer_steps_per_round
+        """Train rounds ``progress.next_round`` .. ``rounds - 1``, or until ``--max-steps`` optimizer steps are
+        trained (the round that reaches them is the last: with dynamic sampling a round may train fewer steps)."""
+        total_steps = planned_steps(self.config, rounds)
+        max_steps = self.config.schedule.max_steps
         gather(self.trainers.set_total_steps(total_steps), self.timeout)  # the LR schedule's end
         n_behind = self.config.schedule.n_behind
         for r in range(self.progress.next_round, min(self.progress.next_round + n_behind + 1, rounds)):
@@ -353,17 +367,21 @@ class Driver:
         self._submit_eval_before()
         progress = tqdm(total=total_steps, initial=self.step, desc="optimizer steps", unit="step")
         for round_index in range(self.progress.next_round, rounds):
+            if max_steps is not None and self.step >= max_steps:
+                break  # resumed from the checkpoint of the run's last round
             round_started = time.perf_counter()
             self._train_round(round_index, progress)
             self._sync_weights(round_index + 1)
             self.progress.next_round = round_index + 1
             self._collect_profile()
             self.metrics.log("sync", self.step, {"time/round_s": time.perf_counter() - round_started})
-            last_round = round_index == rounds - 1
+            last_round = round_index == rounds - 1 or (max_steps is not None and self.step >= max_steps)
             if not last_round:
                 self._maybe_evaluate()
             if self._checkpoint_due(last_round):
                 self.save_checkpoint()
+            if last_round:
+                break
             if round_index + 1 + n_behind < rounds:
                 next_produce = round_index + 1 + n_behind
                 self.pending.submit_round(next_produce, self.producers.produce(next_produce, self.buffer))

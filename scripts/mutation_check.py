@@ -498,6 +498,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="",
         tests=("tests/unit/test_worker_setup.py::test_a_worker_starts_no_idle_compile_processes",),
     ),
+    Mutation(
+        name="rounds_ignore_max_steps",
+        why="the round loop runs every planned round: a DAPO run with --max-steps trains past (or short of) it",
+        path="colossal_rl/launch.py",
+        old="last_round = round_index == rounds - 1 or (max_steps is not None and self.step >= max_steps)",
+        new="last_round = round_index == rounds - 1",
+        tests=("tests/e2e/test_e2e_cpu.py::test_driver_syncs_weights_and_drops_stale_batches",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -70,7 +70,7 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     try:
         driver.start()
         initial = ray.get(driver.producers[0].named_weights.remote())
-        driver.run(rounds=2)
+        driver.run(rounds=3)  # as total_rounds leaves it under dynamic sampling: --max-steps 4 (2 rounds) stops it
         assert driver.step == 4
         trainer_weights = ray.get(driver.trainers[0].full_state_dict.remote())
         for producer in driver.producers:
@@ -86,10 +86,12 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
         for name, tensor in trainer_weights.items():
             assert torch.equal(exported[name], tensor), name
 
-        # A round whose batches were sampled 2 versions ago (n_behind = 1) is dropped, not trained on.
+        # The driver had ordered round 2 (n_behind = 1 ahead) and left it untrained; trained here by hand, then a
+        # round whose batches were sampled 3 versions ago (n_behind = 1) is dropped, not trained on.
+        ray.get([t.train_round.remote(2, driver.buffer) for t in driver.trainers], timeout=120)
         for rank in range(2):
-            ray.get(driver.buffer.put.remote(2, rank, [], 8, 0))
-        results = ray.get([t.train_round.remote(2, driver.buffer) for t in driver.trainers], timeout=60)
+            ray.get(driver.buffer.put.remote(3, rank, [], 8, 0))
+        results = ray.get([t.train_round.remote(3, driver.buffer) for t in driver.trainers], timeout=60)
         assert all(r.steps == [] for r in results)
         assert results[0].dropped_stale_groups == 16
     finally:
