@@ -109,17 +109,18 @@ def main() -> None:
     root = args.keep or Path(tempfile.mkdtemp(prefix="stream_long_tail_"))
     root.mkdir(parents=True, exist_ok=True)
     logger.info(
-        "| task | seed | rounds samples/s | stream samples/s | ratio | eval after (rounds, stream) | stream lag |"
+        "| task | seed | rounds samples/s | stream samples/s | ratio | eval after (rounds, stream) | steps (rounds, "
+        "stream) | stream lag |"
     )
-    logger.info("|---|---:|---:|---:|---:|---|---:|")
+    logger.info("|---|---:|---:|---:|---:|---|---|---:|")
     for task in args.tasks:
         for seed in args.seeds:
             result = run_pair(task, seed, args.max_steps, root, ["rounds", args.against])
             rounds, stream = result["rounds"], result[args.against]
             logger.info(
-                "| %s | %d | %.1f | %.1f | %.2fx | %.3f, %.3f | %.2f |", task, seed, rounds["samples_per_s"],
+                "| %s | %d | %.1f | %.1f | %.2fx | %.3f, %.3f | %d, %d | %.2f |", task, seed, rounds["samples_per_s"],
                 stream["samples_per_s"], stream["samples_per_s"] / rounds["samples_per_s"], rounds["eval_after"],
-                stream["eval_after"], stream["staleness"],
+                stream["eval_after"], rounds["steps"], stream["steps"], stream["staleness"],
             )  # fmt: skip
     if "b" in args.tasks:
         logger.info("(b) per-group mean response lengths, for schedule_simulator --lengths: %s", length_histogram(root))
