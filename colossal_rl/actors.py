@@ -431,11 +431,18 @@ class TrainerActor:
         )
 
     def _batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        return {
+        metrics = {
             "train/reward": float(batch.rewards.mean()),
             "train/accuracy": float(batch.answer_correct.mean()),
             "train/staleness": float(self.trainer.policy_version - batch.policy_version),
         }
+        if batch.token_versions is not None:  # partial rollouts: trained responses that span a weight sync
+            from colossal_rl.batch import multi_version_fractions
+
+            responses, tokens = multi_version_fractions(batch.token_versions, batch.trained_token_mask())
+            metrics["train/multi_version_fraction"] = responses
+            metrics["train/later_version_token_fraction"] = tokens
+        return metrics
 
     def set_total_steps(self, total_steps: int) -> None:
         self.trainer.set_total_steps(total_steps)

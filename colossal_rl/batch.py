@@ -49,9 +49,12 @@ class RolloutBatch:
     """[N, R] multi-turn rollouts: 1 on response tokens the policy sampled, 0 on the environment's tokens between
     its turns (tool results: context for the forward, never trained on) and on padding; None: every real response
     token is the policy's (single-turn). ``response_mask`` stays 1 on every real token, environment's included."""
+    token_versions: torch.Tensor | None = None
+    """[N, R] the weights version that sampled each response token, -1 on padding; set by continuous batching, where
+    with partial rollouts a response may span two versions (``policy_version`` is then its group's oldest)."""
     group_size: int
     policy_version: int
-    """Weights version the producer sampled with."""
+    """Weights version the producer sampled with (the oldest, when tokens of a group came from several)."""
     round_index: int = 0
     """Production round this batch belongs to."""
     producer_rank: int = 0
@@ -73,10 +76,10 @@ class RolloutBatch:
         for name in _TENSOR_FIELDS:
             if getattr(self, name).shape[0] != n:
                 raise ValueError(f"{name} has {getattr(self, name).shape[0]} rows, expected {n}")
-        if self.policy_mask is not None and self.policy_mask.shape != self.response_ids.shape:
-            raise ValueError(
-                f"policy_mask {tuple(self.policy_mask.shape)} != responses {tuple(self.response_ids.shape)}"
-            )
+        for name in ("policy_mask", "token_versions"):
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.shape != self.response_ids.shape:
+                raise ValueError(f"{name} {tuple(tensor.shape)} != responses {tuple(self.response_ids.shape)}")
 
     @property
     def num_samples(self) -> int:
@@ -156,9 +159,24 @@ class RolloutBatch:
         return input_ids, attention_mask
 
 
-_OPTIONAL_TENSOR_FIELDS = ("advantages", "old_logprobs", "policy_mask")
+_OPTIONAL_TENSOR_FIELDS = ("advantages", "old_logprobs", "policy_mask", "token_versions")
 """Per-sample tensors set by some batches only: ``advantages`` [N] by the producer, ``old_logprobs`` [N, R] by the
-trainer, ``policy_mask`` [N, R] by multi-turn rollouts."""
+trainer, ``policy_mask`` [N, R] by multi-turn rollouts, ``token_versions`` [N, R] by continuous batching."""
+
+
+def multi_version_fractions(token_versions: torch.Tensor, token_mask: torch.Tensor) -> tuple[float, float]:
+    """Of the responses with a real token (``token_mask`` [N, R]), the fraction whose tokens ``token_versions``
+    [N, R] came from more than one version, and the fraction of their tokens sampled by a later version than the
+    response's first token (partial rollouts)."""
+    real = token_mask.bool()
+    newest = token_versions.masked_fill(~real, torch.iinfo(token_versions.dtype).min).amax(-1)  # [N]
+    oldest = token_versions.masked_fill(~real, torch.iinfo(token_versions.dtype).max).amin(-1)  # [N]
+    responses = real.any(-1)
+    later = real & (token_versions > oldest[:, None])
+    return (
+        float((newest > oldest)[responses].float().mean()) if responses.any() else 0.0,
+        float(later.sum() / real.sum()) if real.any() else 0.0,
+    )
 
 
 def pad_to(tensor: torch.Tensor, length: int, value: float, left: bool) -> torch.Tensor:
@@ -194,6 +212,7 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
     has_adv = all(b.advantages is not None for b in batches)
     has_old = all(b.old_logprobs is not None for b in batches)
     has_policy_mask = any(b.policy_mask is not None for b in batches)
+    has_versions = all(b.token_versions is not None for b in batches)
     return RolloutBatch(
         **tensors,
         advantages=torch.cat([b.advantages for b in batches]) if has_adv else None,
@@ -202,6 +221,9 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         else None,
         policy_mask=torch.cat([pad_to(b.policy_token_mask(), response_len, 0, left=False) for b in batches])
         if has_policy_mask
+        else None,
+        token_versions=torch.cat([pad_to(b.token_versions, response_len, -1, left=False) for b in batches])
+        if has_versions
         else None,
         group_size=batches[0].group_size,
         policy_version=min(b.policy_version for b in batches),

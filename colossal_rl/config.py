@@ -196,7 +196,13 @@ class GenerationConfig:
     continuous_batching: bool = False
     """Stream mode, transformers backend: each producer runs one decode batch of about ``-imbs`` x ``-g`` rows
     that prompts join as rows finish; every chunk is one prompt, and its group leaves the producer as soon as it
-    is scored (``rollout/continuous_batching.py``). Weight syncs wait for the running rows to finish."""
+    is scored (``rollout/continuous_batching.py``). Weight syncs wait for the running rows to finish (unless
+    ``partial_rollouts``)."""
+    partial_rollouts: bool = False
+    """With ``continuous_batching``: a weight sync does not wait for the running rows; they stop between two
+    decode steps, the new weights load, each row's prompt and tokens so far are re-prefilled, and decoding goes on,
+    so a response may hold tokens of two versions. Every token keeps the version that sampled it and its behaviour
+    log-prob (``RolloutBatch.token_versions``); staleness counts from the version a group started with."""
     stop_strings: tuple[str, ...] | None = None
     """Generation stops after any of these strings (kept in the response). None (resolved): ``</answer>``
     for the ``think_answer_tags`` reward, none otherwise."""
@@ -714,6 +720,7 @@ class RLConfig:
         self.data.validate()
         self._validate_batch_arithmetic()
         self._validate_stream()
+        self._validate_partial_rollouts()
         self._validate_continuous_batching()
         _require_low_precision_for_flash_attention(self)
         _require(
@@ -817,6 +824,28 @@ class RLConfig:
         )
         for condition, what in unsupported:
             _require(not condition, "schedule.mode", f"stream does not support {what} or --schedule rounds")
+
+    def _validate_partial_rollouts(self) -> None:
+        """Only the transformers backend's continuous-batching engine can pause mid-response and re-prefill."""
+        if not self.generation.partial_rollouts:
+            return
+        needs = (
+            (
+                self.generation.backend == "transformers",
+                "needs a backend that can pause a response mid-way (vLLM's cannot here): use -b transformers",
+            ),
+            (
+                self.schedule.mode == "stream",
+                "loads weights mid-response at the stream schedule's syncs: add --schedule stream",
+            ),
+            (
+                self.generation.continuous_batching,
+                "pauses the continuous-batching engine at a sync: add --continuous-batching",
+            ),
+            (self.environment.name is None, "continues single-turn responses; --env episodes take turns"),
+        )
+        for condition, message in needs:
+            _require(condition, "generation.partial_rollouts", message)
 
     def _validate_continuous_batching(self) -> None:
         if not self.generation.continuous_batching:

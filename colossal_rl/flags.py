@@ -138,6 +138,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--max-staleness",), "schedule.max_staleness"),
     Flag(("--sync-every-steps",), "schedule.sync_every_steps"),
     Flag(("--continuous-batching",), "generation.continuous_batching", kind="switch"),
+    Flag(("--partial-rollouts",), "generation.partial_rollouts", kind="switch"),
     # reward
     Flag(("-rt", "--reward-type"), "reward.reward_type"),
     Flag(

@@ -64,6 +64,9 @@ class GenerationOutput:
     behaviour_logprobs: torch.Tensor  # [N, R] log p(token) at the sampling temperature, 0 on padding
     truncated: torch.Tensor  # [N] bool: hit max_new_tokens without EOS or stop string
     responses: list[str]  # [N] decoded response texts (special tokens removed)
+    token_versions: torch.Tensor | None = None
+    """[N, R] the version that sampled each token, -1 on padding (continuous batching; two versions in a response
+    with partial rollouts); None: the backend's policy version sampled them all."""
 
 
 class InferenceBackend(Protocol):

@@ -12,10 +12,14 @@ computing. Here a finished row's slot is taken by the next waiting prompt, and a
   cache; leading time steps that every remaining row masks are trimmed.
 - **Log-probs.** Each token's behaviour log-prob is ``log_softmax(logits / T)`` of the sampled token
   (``decoding.choose_tokens``): exactly what the trainer recomputes.
+- **New weights mid-flight** (partial rollouts). After the weights change, every running row's cache and
+  next-token logits are stale: :meth:`ContinuousBatcher.take_new_weights` re-prefills each row's prompt and the
+  tokens it generated so far (one forward, left-padded, positions per row: the rows of a group have diverged)
+  and decoding goes on with the new version. Every token records the version that sampled it.
 
 A plain single-threaded class: no Ray, no threads (``rollout/engine_service.py`` drives one from a thread). It
-does not load weights: whoever does must do so only while no row is running (:attr:`idle`), unless the tokens
-generated so far are meant to come from two versions.
+does not load weights: whoever does must do so only while no row is running (:attr:`idle`), or call
+:meth:`ContinuousBatcher.take_new_weights` right after (the running rows' responses then span two versions).
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ class DecodedGroup:
     lengths: tuple[int, ...]
     """Tokens each sample generated (its last one the EOS or the stop string's, if it ended so)."""
     policy_version: int = 0
-    """The batcher's ``policy_version`` when the prompt was admitted: the weights its whole group was sampled with."""
+    """The batcher's ``policy_version`` when the prompt was admitted: the oldest weights any of its tokens was
+    sampled with (all of them, unless weights were taken mid-flight)."""
+    token_versions: torch.Tensor | None = None
+    """[G, L] the version that sampled each token, -1 after a sample ended."""
     tag: object = None
     """What the caller attached to the request (``submit``'s ``tag``)."""
 
@@ -54,6 +61,7 @@ class _Request:
     policy_version: int = 0
     tokens: list[list[int]] = field(default_factory=list)  # per sample
     logprobs: list[list[float]] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)  # per sample: the version that sampled each token
     unfinished: int = 0
 
 
@@ -165,8 +173,9 @@ class ContinuousBatcher:
         self._request_ids = itertools.count()
         self._sequence_ids = itertools.count()
         self.policy_version = 0
-        """A label of the weights the model holds, set by whoever loads them (only while :attr:`idle`); every
-        group records it at admission (``DecodedGroup.policy_version``)."""
+        """A label of the weights the model holds, set by whoever loads them (while :attr:`idle`, or through
+        :meth:`take_new_weights`); every group records it at admission (``DecodedGroup.policy_version``), every
+        token when it is sampled (``DecodedGroup.token_versions``)."""
 
     # ------------------------------------------------------------------ state
     @property
@@ -213,6 +222,14 @@ class ContinuousBatcher:
             self._advance()
         return finished
 
+    @torch.no_grad()
+    def take_new_weights(self, version: int) -> None:
+        """The model's weights were just replaced by ``version``: re-prefill the running rows (their caches and
+        next-token logits came from the old weights) so every token sampled from now on is the new version's."""
+        self.policy_version = version
+        if self._batch is not None:
+            self._batch = self._reprefill(self._batch)
+
     # ------------------------------------------------------------------ internals
     def _admit(self) -> None:
         free = self.max_rows - self.running_rows
@@ -226,20 +243,13 @@ class ContinuousBatcher:
         self._batch = prefilled if self._batch is None else merge_batches(self._batch, prefilled)
 
     def _prefill(self, requests: list[_Request]) -> _Batch:
-        length = max(len(r.prompt) for r in requests)
-        ids = torch.full((len(requests), length), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), length), dtype=torch.long)
-        for row, request in enumerate(requests):
-            ids[row, length - len(request.prompt) :] = torch.tensor(request.prompt, dtype=torch.long)
-            mask[row, length - len(request.prompt) :] = 1
+        for request in requests:
             request.tokens = [[] for _ in range(self.num_samples)]
             request.logprobs = [[] for _ in range(self.num_samples)]
+            request.versions = [[] for _ in range(self.num_samples)]
             request.unfinished = self.num_samples
             request.policy_version = self.policy_version
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = DynamicCache()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = _next_logits(self.model, ids, mask, positions, cache, self._keeps_last_only)
+        cache, mask, logits = self._forward_left_padded([request.prompt for request in requests])
         cache.batch_repeat_interleave(self.num_samples)  # the group shares its prompt's cache
         rows = len(requests) * self.num_samples
         return _Batch(
@@ -252,6 +262,38 @@ class ContinuousBatcher:
             sequence_ids=[next(self._sequence_ids) for _ in range(rows)],
         )
 
+    def _reprefill(self, batch: _Batch) -> _Batch:
+        """``batch``'s rows rebuilt from scratch with the model's current weights: each row's prompt and the tokens
+        its sample generated so far, left-padded, run through the model in one forward."""
+        sequences = [
+            self._requests[owner].prompt + self._requests[owner].tokens[sample]
+            for owner, sample in zip(batch.owners, batch.samples, strict=True)
+        ]
+        cache, mask, logits = self._forward_left_padded(sequences)
+        return _Batch(
+            cache=cache,
+            attention_mask=mask,
+            next_position=mask.sum(-1, keepdim=True),
+            logits=logits,
+            owners=batch.owners,
+            samples=batch.samples,
+            sequence_ids=batch.sequence_ids,
+        )
+
+    def _forward_left_padded(self, sequences: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """Run ``sequences`` (token ids) left-padded through the model, positions counted per row from its first
+        token: their cache, attention mask [B, T] and last logits [B, V]."""
+        length = max(len(sequence) for sequence in sequences)
+        ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), length), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, length - len(sequence) :] = torch.tensor(sequence, dtype=torch.long)
+            mask[row, length - len(sequence) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = DynamicCache()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return cache, mask, _next_logits(self.model, ids, mask, positions, cache, self._keeps_last_only)
+
     def _record(self, batch: _Batch, tokens: list[int], logprobs: list[float]) -> list[bool]:
         """Append every row's token; which rows ended with it."""
         eos = set(self._eos.tolist())
@@ -261,6 +303,7 @@ class ContinuousBatcher:
             sample_tokens = request.tokens[batch.samples[row]]
             sample_tokens.append(token)
             request.logprobs[batch.samples[row]].append(logprob)
+            request.versions[batch.samples[row]].append(self.policy_version)
             ended.append(token in eos or len(sample_tokens) >= self.sampling.max_new_tokens)
         if self._stop_watch is not None:
             sequences = torch.tensor(batch.sequence_ids)
@@ -286,11 +329,21 @@ class ContinuousBatcher:
         length = max(len(tokens) for tokens in request.tokens)
         ids = torch.full((self.num_samples, length), self.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros((self.num_samples, length), dtype=torch.float32)
-        for sample, (tokens, values) in enumerate(zip(request.tokens, request.logprobs, strict=True)):
+        versions = torch.full((self.num_samples, length), -1, dtype=torch.long)
+        samples = zip(request.tokens, request.logprobs, request.versions, strict=True)
+        for sample, (tokens, values, sampled_by) in enumerate(samples):
             ids[sample, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             logprobs[sample, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        lengths = tuple(len(tokens) for tokens in request.tokens)
-        return DecodedGroup(request.request_id, ids, logprobs, lengths, request.policy_version, request.tag)
+            versions[sample, : len(sampled_by)] = torch.tensor(sampled_by, dtype=torch.long)
+        return DecodedGroup(
+            request_id=request.request_id,
+            response_ids=ids,
+            logprobs=logprobs,
+            lengths=tuple(len(tokens) for tokens in request.tokens),
+            policy_version=request.policy_version,
+            token_versions=versions,
+            tag=request.tag,
+        )
 
     def _advance(self) -> None:
         """Feed the surviving rows' sampled tokens through the model: the logits of their next tokens."""

@@ -4,8 +4,11 @@ A thread of its own steps the ``ContinuousBatcher``; any number of callers (the 
 ``max_concurrency``) submit prompts and wait for their own groups, so a call returns as soon as its prompts are
 done, while the engine goes on decoding the others'. Weights change only at a safe point: :meth:`load_weights`
 stops admitting prompts, waits until no row is running (every group finishes with the version it started with),
-loads, and labels what is admitted next with the new version. :meth:`exclusive` runs something else on the model
-(an evaluation) with decoding paused. Every wait is bounded.
+loads, and labels what is admitted next with the new version. With partial rollouts (``--partial-rollouts``) it
+does not wait: it pauses decoding between two steps, loads, re-prefills the running rows with the new weights
+(``ContinuousBatcher.take_new_weights``) and lets decoding go on, so a response may span two versions (each token
+records its own). :meth:`exclusive` runs something else on the model (an evaluation) with decoding paused. Every
+wait is bounded.
 
 Plain threading, no Ray: testable in-process.
 """
@@ -33,8 +36,10 @@ class EngineStopped(RuntimeError):
 class EngineService:
     """Drives ``batcher`` from a daemon thread; its methods may be called from any thread."""
 
-    def __init__(self, batcher: ContinuousBatcher):
+    def __init__(self, batcher: ContinuousBatcher, *, partial_rollouts: bool = False):
         self.batcher = batcher
+        self.partial_rollouts = partial_rollouts
+        """Load weights with rows running (they continue with the new version) instead of waiting for them."""
         self._lock = threading.Condition()  # guards the batcher: held for each decode step, a load, an evaluation
         self._results: dict[int, DecodedGroup] = {}
         self._loading = False
@@ -59,14 +64,16 @@ class EngineService:
             return [self._results.pop(request_id) for request_id in request_ids]
 
     def load_weights(self, load: Callable[[], None], version: int, *, timeout_s: float) -> None:
-        """Run ``load`` once no row is running (no prompt is admitted meanwhile); label later groups ``version``."""
+        """Run ``load`` once no row is running (no prompt is admitted meanwhile); label later groups ``version``.
+        With partial rollouts: at once, between two decode steps, the running rows going on with ``version``."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._loading = True
             try:
-                self._wait_for(lambda: self.batcher.idle, deadline, "the running rows to finish before a weight load")
+                if not self.partial_rollouts:
+                    self._wait_for(lambda: self.batcher.idle, deadline, "the running rows to finish before a load")
                 load()
-                self.batcher.policy_version = version
+                self.batcher.take_new_weights(version)
             finally:
                 self._loading = False
                 self._lock.notify_all()

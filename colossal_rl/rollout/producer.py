@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colossal_rl.batch import RolloutBatch, pad_to
+from colossal_rl.batch import RolloutBatch, multi_version_fractions, pad_to
 from colossal_rl.comm.token_balance import group_token_costs
 from colossal_rl.config import RLConfig, resolve_precision
 from colossal_rl.data import EpisodeSchedule, ImagePrompting, PromptDataset, load_prompt_dataset
@@ -114,7 +114,8 @@ class Producer:
         generation = config.generation
         max_rows = generation.microbatch_size * generation.num_generations
         return EngineService(
-            self.backend.continuous_batcher(self._train_sampling(), generation.num_generations, max_rows)
+            self.backend.continuous_batcher(self._train_sampling(), generation.num_generations, max_rows),
+            partial_rollouts=generation.partial_rollouts,
         )
 
     def close(self) -> None:
@@ -253,6 +254,7 @@ class Producer:
             response_ids=output.response_ids,
             response_mask=output.response_mask,
             behaviour_logprobs=output.behaviour_logprobs,
+            token_versions=output.token_versions,
             rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
             answer_correct=torch.tensor([float(r.answer_ok) for r in records]),
             loss_mask=torch.tensor([0.0 if r.status == "infra_error" else 1.0 for r in records]),
@@ -280,6 +282,10 @@ class Producer:
                 "time/produce_s": time.perf_counter() - started,
             }
         )
+        if output.token_versions is not None:  # partial rollouts: responses that span a weight sync
+            responses, tokens = multi_version_fractions(output.token_versions, output.response_mask)
+            metrics["rollout/multi_version_fraction"] = responses
+            metrics["rollout/later_version_token_fraction"] = tokens
         return processed, metrics
 
     def _environment_rollout(
@@ -349,7 +355,7 @@ class Producer:
             named_tensors = self._merge_adapters(named_tensors)
         if self.engine is None:
             self.backend.load_weights(named_tensors, partial=lora)
-        else:  # at a safe point: once the rows running finish, none admitted meanwhile
+        else:  # once the running rows finish (none admitted meanwhile); with partial rollouts between two steps
             load = lambda: self.backend.load_weights(named_tensors, partial=lora)  # noqa: E731
             self.engine.load_weights(load, policy_version, timeout_s=self.config.run.timeout_s)
         self.policy_version = policy_version

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from transformers import AutoConfig, AutoProcessor
@@ -165,7 +166,11 @@ class TransformersBackend:
         length = max(group.response_ids.shape[1] for group in groups)
         response_ids = torch.cat([pad_to(g.response_ids, length, self.pad_token_id, left=False) for g in groups])
         logprobs = torch.cat([pad_to(g.logprobs, length, 0.0, left=False) for g in groups])
-        return self._output(unique_ids, unique_mask, groups[0].response_ids.shape[0], response_ids, logprobs, sampling)
+        output = self._output(
+            unique_ids, unique_mask, groups[0].response_ids.shape[0], response_ids, logprobs, sampling
+        )
+        versions = torch.cat([pad_to(g.token_versions, length, -1, left=False) for g in groups])
+        return replace(output, token_versions=torch.where(output.response_mask.bool(), versions, -1))
 
     def _output(self, unique_ids, unique_mask, num_samples, response_ids, logprobs, sampling) -> GenerationOutput:
         """Prompts repeated per sample; responses cut after EOS or a stop string, padded; their texts."""

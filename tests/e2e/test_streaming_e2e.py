@@ -50,10 +50,12 @@ def assert_streamed(records: list[dict], *, steps: int, max_staleness: int) -> l
 
 
 def test_stream_run_with_dynamic_sampling_and_sparser_syncs_still_trains_the_requested_steps(tmp_path):
-    """With continuous batching too: producers run concurrent one-prompt chunks on one shared engine."""
+    """With continuous batching too: producers run concurrent one-prompt chunks on one shared engine; with partial
+    rollouts, whose per-token versions reach the trainers (a sync lands mid-response only when rows happen to be
+    running then: ``test_producer_chunk.py`` makes it happen)."""
     _, records = run_stream(
         tmp_path, "-a", "DAPO", "-mnt", "16", "--max-steps", "4", "-ei", "2", "--max-staleness", "2",
-        "--sync-every-steps", "2", "--continuous-batching",
+        "--sync-every-steps", "2", "--continuous-batching", "--partial-rollouts",
     )  # fmt: skip
     train = assert_streamed(records, steps=4, max_staleness=2)
     assert [r["step"] for r in records if r["kind"] == "sync"] == [2, 4]
@@ -64,6 +66,7 @@ def test_stream_run_with_dynamic_sampling_and_sparser_syncs_still_trains_the_req
     assert {len(r["train/data_indices"]) for r in train} == {8}
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2, 4]
     assert max(r["rollout/policy_version"] for r in rollouts) >= 2  # chunks after the sync started with it
+    assert all(0 <= r["train/multi_version_fraction"] <= 1 for r in train)  # token versions reached the trainers
 
 
 def test_a_stream_run_stays_within_the_staleness_bound_and_resumes_training_no_row_twice(tmp_path):

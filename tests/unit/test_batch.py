@@ -1,11 +1,12 @@
-"""RolloutBatch: group selection, concatenation with re-padding, and shape checks."""
+"""RolloutBatch: group selection, concatenation with re-padding, shape checks, and the per-token versions of
+partial rollouts."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from colossal_rl.batch import RolloutBatch, concat_batches, tensor_field_names
+from colossal_rl.batch import RolloutBatch, concat_batches, multi_version_fractions, tensor_field_names
 
 PAD = 0
 
@@ -155,3 +156,33 @@ def test_trained_token_mask_keeps_response_tokens_of_kept_samples_only():
     batch = make_batch([[1], [2, 3]], [[4, 5, 6], [7]], group_size=1)
     batch = batch.with_advantages(batch.advantages, loss_mask=torch.tensor([0.0, 1.0]))
     torch.testing.assert_close(batch.trained_token_mask(), torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
+def with_token_versions(batch: RolloutBatch, versions: list[list[int]]) -> RolloutBatch:
+    """``batch`` with each response's tokens labelled by ``versions`` (-1 on padding)."""
+    token_versions = torch.full(batch.response_ids.shape, -1)
+    for row, row_versions in enumerate(versions):
+        token_versions[row, : len(row_versions)] = torch.tensor(row_versions)
+    return dataclasses.replace(batch, token_versions=token_versions)
+
+
+def test_token_versions_follow_their_samples_through_select_and_concat():
+    short = with_token_versions(make_batch([[7], [7]], [[1, 2], [3]], group_size=2), [[0, 1], [1]])
+    long = with_token_versions(make_batch([[4], [4]], [[1, 2, 3], [6]], group_size=2, first_id=2), [[1, 1, 2], [2]])
+    merged = concat_batches([short, long], pad_token_id=PAD)
+    assert merged.token_versions.tolist() == [[0, 1, -1], [1, -1, -1], [1, 1, 2], [2, -1, -1]]
+    assert merged.select_groups([1]).token_versions.tolist() == [[1, 1, 2], [2, -1, -1]]
+    assert concat_batches([short, make_batch([[4], [4]], [[1], [6]], group_size=2)], PAD).token_versions is None
+    with pytest.raises(ValueError, match="token_versions"):
+        dataclasses.replace(short, token_versions=torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_multi_version_fractions_count_responses_spanning_a_sync_and_their_later_tokens():
+    versions = torch.tensor([[3, 3, 4, 4], [3, 3, 3, -1], [4, 4, -1, -1], [-1, -1, -1, -1]])
+    mask = (versions >= 0).long()
+    # responses 0-2 have tokens; only response 0 spans two versions; its last two of the 9 real tokens are later
+    responses, tokens = multi_version_fractions(versions, mask)
+    assert responses == pytest.approx(1 / 3) and tokens == pytest.approx(2 / 9)
+    trained = mask * torch.tensor([[1], [1], [0], [1]])  # a sample out of the loss does not count
+    assert multi_version_fractions(versions, trained) == (pytest.approx(1 / 2), pytest.approx(2 / 7))
+    assert multi_version_fractions(versions, torch.zeros_like(mask)) == (0.0, 0.0)

@@ -105,6 +105,10 @@ FLAG_PROBES = {
     "max_staleness": (["--max-staleness", "2"], "schedule.max_staleness"),
     "sync_every_steps": (["--sync-every-steps", "2"], "schedule.sync_every_steps"),
     "continuous_batching": (["--continuous-batching", "--schedule", "stream"], "generation.continuous_batching"),
+    "partial_rollouts": (
+        ["--partial-rollouts", "--continuous-batching", "--schedule", "stream"],
+        "generation.partial_rollouts",
+    ),
     "seed": (["--seed", "3"], "run.seed"),
     "timeout": (["--timeout", "30"], "run.timeout_s"),
     "max_actor_restarts": (["--max-actor-restarts", "0"], "run.max_actor_restarts"),

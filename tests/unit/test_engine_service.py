@@ -1,7 +1,8 @@
 """The shared continuous-batching engine (``rollout/engine_service.py``) on the embedded model, in-process: callers
 in several threads get their own groups (as decoded alone), a call returns before slower calls' groups finish,
-weights load only once the running rows finished (they keep the version they started with), and a call that
-needs a newer version waits for it."""
+weights load only once the running rows finished (they keep the version they started with) — or, with partial
+rollouts, at once, the running rows going on with the new version — and a call that needs a newer version waits
+for it."""
 
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ def prompts(backend) -> list[list[int]]:
     return [encode_prompt(backend.tokenizer, [{"role": "user", "content": q}]) for q in questions]
 
 
-def service(backend, max_rows=4, sampling=GREEDY, eos=None) -> EngineService:
+def service(backend, max_rows=4, sampling=GREEDY, eos=None, partial_rollouts=False) -> EngineService:
     batcher = backend.continuous_batcher(sampling, num_samples=2, max_rows=max_rows)
     if eos is not None:
         batcher._eos = torch.tensor(eos)
-    return EngineService(batcher)
+    return EngineService(batcher, partial_rollouts=partial_rollouts)
 
 
 def alone(backend, prompt, eos=None):
@@ -112,6 +113,30 @@ def test_weights_load_once_running_rows_finish_and_label_what_follows(backend, p
         assert after.policy_version == 1
     finally:
         engine.close()
+
+
+def test_with_partial_rollouts_weights_load_while_rows_run_and_their_groups_span_two_versions(backend, prompts):
+    long = SamplingSettings(temperature=1.0, max_new_tokens=48, greedy=True)  # rows still run when the load comes
+    engine = service(backend, sampling=long, eos=[-1], partial_rollouts=True)
+    events: list[str] = []
+    first: list = []
+    try:
+        caller = threading.Thread(
+            target=lambda: first.extend(engine.generate(prompts[:2], min_version=0, timeout_s=TIMEOUT_S))
+        )
+        with engine.exclusive():  # the lock: between two decode steps once the rows run
+            caller.start()
+            while engine.batcher.running_rows == 0:
+                engine._lock.wait(0.01)
+            engine.load_weights(lambda: events.append(f"load with {engine.batcher.running_rows} rows running"), 1,
+                                timeout_s=TIMEOUT_S)  # fmt: skip
+        caller.join(TIMEOUT_S)
+    finally:
+        engine.close()
+    assert events == ["load with 4 rows running"]
+    assert [group.policy_version for group in first] == [0, 0]  # the version at admission, the oldest
+    for versions in (row for group in first for row in group.token_versions.tolist()):
+        assert versions == sorted(versions) and set(versions) == {0, 1}, versions  # v0 tokens, then v1 tokens
 
 
 def test_a_call_waits_for_the_version_it_needs(backend, prompts):

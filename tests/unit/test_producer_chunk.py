@@ -1,10 +1,12 @@
 """Producer.produce_chunk (the streaming schedule's producer call) on the embedded model, no Ray: the kept groups'
 batch and a fact per row — the version generation started with, the token cost, kept or filtered by DAPO's dynamic
-sampling — computed by the same code as a round's ``produce``."""
+sampling — computed by the same code as a round's ``produce``; with partial rollouts a weight load lands while the
+chunk's rows decode, and the batch carries which version sampled each token."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -115,3 +117,42 @@ def test_continuous_batching_chunks_report_as_batched_ones(continuous_producer):
     chunk = continuous_producer.produce_chunk(chunk_id=2, rows=[3, 1], min_version=1)
     assert {group.policy_version for group in chunk.groups} == {1}
     assert continuous_producer.engine.policy_version == continuous_producer.policy_version == 1
+
+
+@pytest.fixture(scope="module")
+def partial_producer(continuous_producer) -> Producer:
+    generation = dataclasses.replace(continuous_producer.config.generation, partial_rollouts=True)
+    partial = Producer(
+        0, dataclasses.replace(continuous_producer.config, generation=generation), EveryOtherGroupAgrees()
+    )
+    yield partial
+    partial.close()
+
+
+def test_with_partial_rollouts_a_load_lands_mid_chunk_and_the_batch_says_which_version_sampled_each_token(
+    partial_producer,
+):
+    engine = partial_producer.engine
+    chunks = []
+    caller = threading.Thread(
+        target=lambda: chunks.append(partial_producer.produce_chunk(chunk_id=1, rows=[5, 2, 7, 0], min_version=0))
+    )
+    with engine.exclusive():  # decoding paused: the load comes between two steps of the running rows
+        caller.start()
+        while engine.batcher.running_rows == 0:
+            engine._lock.wait(0.01)
+        new_weights = {name: tensor + 0.01 for name, tensor in partial_producer.backend.named_weights().items()}
+        partial_producer.load_weights(1, new_weights)
+        assert engine.batcher.running_rows > 0 and engine.policy_version == 1
+    caller.join(60)
+    (chunk,) = chunks
+    # -imbs 2: rows 5 and 2 were running at the load, 7 and 0 waited and were admitted with version 1
+    assert [group.policy_version for group in chunk.groups] == [0, 0, 1, 1]  # at admission: staleness's version
+    assert chunk.metrics["rollout/multi_version_fraction"] == 0.5  # the 8 samples of rows 5 and 2, of 16
+    batch = chunk.batch  # rows 2 (spanning v0 and v1) and 0 (v1 only)
+    assert batch.data_indices == [2, 0] and batch.policy_version == 0
+    assert batch.token_versions.shape == batch.response_ids.shape
+    assert bool((batch.token_versions[batch.response_mask == 0] == -1).all())
+    assert set(batch.token_versions[:GROUP_SIZE][batch.response_mask[:GROUP_SIZE] == 1].tolist()) == {0, 1}
+    assert set(batch.token_versions[GROUP_SIZE:][batch.response_mask[GROUP_SIZE:] == 1].tolist()) == {1}
+    assert 0 < chunk.metrics["rollout/later_version_token_fraction"] < 1

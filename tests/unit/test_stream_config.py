@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rl_example.py is
 from rl_example import UsageError, config_from_args, parse_args  # noqa: E402
 
 STREAM = ["--schedule", "stream"]
+PARTIAL = [*STREAM, "--continuous-batching", "--partial-rollouts"]
 
 
 def config_of(argv: list[str]):
@@ -51,12 +52,30 @@ def test_unknown_schedule_is_refused_by_the_parser():
         (["--continuous-batching"], "^--continuous-batching: continuous batching feeds the stream schedule"),
         ([*STREAM, "--continuous-batching", "-b", "vllm"], "^--continuous-batching: is the transformers backend's"),
         ([*STREAM, "--continuous-batching", "--env", "calculator"], "^--continuous-batching: decodes single-turn"),
+        (
+            [*PARTIAL, "-b", "vllm"],
+            "^--partial-rollouts: needs a backend that can pause a response mid-way .*: use -b transformers$",
+        ),
+        (
+            ["--continuous-batching", "--partial-rollouts"],
+            "^--partial-rollouts: loads weights mid-response .*: add --schedule stream$",
+        ),
+        (
+            [*STREAM, "--partial-rollouts"],
+            "^--partial-rollouts: pauses the continuous-batching engine at a sync: add --continuous-batching$",
+        ),
+        ([*PARTIAL, "--env", "calculator"], "^--partial-rollouts: continues single-turn responses"),
     ],
 )
 def test_unsupported_or_bad_stream_settings_fail_in_one_line_naming_the_flag(argv, message):
     with pytest.raises(UsageError, match=message) as failure:
         config_of(argv)
     assert "\n" not in str(failure.value)
+
+
+def test_partial_rollouts_reach_the_generation_config_and_default_off():
+    assert config_of(PARTIAL).generation.partial_rollouts
+    assert not config_of([*STREAM, "--continuous-batching"]).generation.partial_rollouts
 
 
 def test_the_round_schedule_ignores_the_stream_only_limits():
