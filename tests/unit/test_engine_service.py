@@ -83,8 +83,9 @@ def test_a_short_call_returns_while_a_long_one_decodes(backend, prompts):
         )
         with engine.exclusive():  # both calls' prompts join before the first decode step
             long_call.start()
-            while engine.batcher.waiting_prompts == 0:
-                engine._lock.wait(0.01)
+            # bounded; the decode thread may admit the long prompt while this waits (the lock is released)
+            engine._wait_for(lambda: engine.batcher.waiting_prompts + engine.batcher.running_rows > 0,
+                             time.monotonic() + TIMEOUT_S, "the long call's prompt")  # fmt: skip
         (group,) = engine.generate([prompts[1]], min_version=0, timeout_s=TIMEOUT_S)
         assert max(group.lengths) <= 2 and not long_done.is_set()
         long_call.join(TIMEOUT_S)
@@ -102,8 +103,8 @@ def test_weights_load_once_running_rows_finish_and_label_what_follows(backend, p
             target=lambda: first.extend(engine.generate(prompts[:2], min_version=0, timeout_s=TIMEOUT_S))
         )
         caller.start()
-        while engine.batcher.running_rows == 0:
-            time.sleep(0.001)
+        with engine.exclusive():
+            engine._wait_for(lambda: engine.batcher.running_rows > 0, time.monotonic() + TIMEOUT_S, "running rows")
         engine.load_weights(lambda: events.append(f"load with {engine.batcher.running_rows} rows running"), 1,
                             timeout_s=TIMEOUT_S)  # fmt: skip
         caller.join(TIMEOUT_S)
@@ -126,8 +127,7 @@ def test_with_partial_rollouts_weights_load_while_rows_run_and_their_groups_span
         )
         with engine.exclusive():  # the lock: between two decode steps once the rows run
             caller.start()
-            while engine.batcher.running_rows == 0:
-                engine._lock.wait(0.01)
+            engine._wait_for(lambda: engine.batcher.running_rows > 0, time.monotonic() + TIMEOUT_S, "running rows")
             engine.load_weights(lambda: events.append(f"load with {engine.batcher.running_rows} rows running"), 1,
                                 timeout_s=TIMEOUT_S)  # fmt: skip
         caller.join(TIMEOUT_S)

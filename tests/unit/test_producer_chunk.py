@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -139,8 +140,7 @@ def test_with_partial_rollouts_a_load_lands_mid_chunk_and_the_batch_says_which_v
     )
     with engine.exclusive():  # decoding paused: the load comes between two steps of the running rows
         caller.start()
-        while engine.batcher.running_rows == 0:
-            engine._lock.wait(0.01)
+        engine._wait_for(lambda: engine.batcher.running_rows > 0, time.monotonic() + 60, "running rows")
         new_weights = {name: tensor + 0.01 for name, tensor in partial_producer.backend.named_weights().items()}
         partial_producer.load_weights(1, new_weights)
         assert engine.batcher.running_rows > 0 and engine.policy_version == 1
