@@ -41,6 +41,7 @@ SCHEDULES = {
     "rounds": ["--schedule", "rounds"],
     "stream": ["--schedule", "stream", "--continuous-batching"],
     "stream_batched": ["--schedule", "stream"],  # without continuous batching: what the schedule alone gives
+    "stream_partial": ["--schedule", "stream", "--continuous-batching", "--partial-rollouts"],  # syncs never drain
 }
 COMMON = ["--no-wandb", "--no-final-export", "--max-actor-restarts", "0", "-ei", "0", "--timeout", "600"]
 
@@ -101,7 +102,10 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument(
-        "--against", choices=["stream", "stream_batched"], default="stream", help="what runs beside rounds"
+        "--against",
+        choices=["stream", "stream_batched", "stream_partial"],
+        default="stream",
+        help="what runs beside rounds",
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs here (default: a temporary dir)")
     args = parser.parse_args()
