@@ -38,7 +38,7 @@ from colossal_rl.rollout.vllm_backend import SEED_RANGE, right_pad, sampled_logp
 @dataclass(frozen=True)
 class VllmGroup(DecodedGroup):
     """A ``DecodedGroup`` that also says which samples ``max_new_tokens`` cut (vLLM knows; EOS or stop string
-    otherwise)."""
+    otherwise). ``token_versions`` stays None: one version samples a whole group."""
 
     truncated: tuple[bool, ...] = ()
     """Per sample: vLLM's ``finish_reason == "length"``."""
@@ -63,9 +63,14 @@ def group_of_outputs(
     response_ids, _ = right_pad(tokens, pad_token_id, torch.long)  # [G, L]
     values, _ = right_pad(logprobs, 0.0, torch.float32)  # [G, L]
     return VllmGroup(
-        request_id, response_ids, values, tuple(len(ids) for ids in tokens), policy_version, tag,
+        request_id=request_id,
+        response_ids=response_ids,
+        logprobs=values,
+        lengths=tuple(len(ids) for ids in tokens),
+        policy_version=policy_version,
+        tag=tag,
         truncated=tuple(c.finish_reason == "length" for c in completions),
-    )  # fmt: skip
+    )
 
 
 def output_of_groups(
@@ -190,6 +195,14 @@ class VllmContinuousBatcher:
             self._take(self._engine_step())
         finished, self._done = self._done, []
         return finished
+
+    def take_new_weights(self, version: int) -> None:
+        """The engine's weights were just replaced by ``version`` (``EngineService.load_weights``): label what is
+        admitted next. Only while :attr:`idle`: a vLLM request cannot be paused and continued with new weights here
+        (``--partial-rollouts`` is refused with ``-b vllm``)."""
+        if not self.idle:
+            raise RuntimeError("vLLM's continuous batcher took new weights with requests in the engine")
+        self.policy_version = version
 
     def run_apart(self, inputs: Sequence[dict[str, Any]], params: Sequence[dict[str, Any]]) -> list[Any]:
         """Run other requests (``vllm_requests``' prompts and ``SamplingParams`` keyword arguments) to their end on the

@@ -236,3 +236,16 @@ def test_the_engine_service_loads_weights_only_once_no_request_of_its_is_in_the_
         service.close()
     assert results["load_while"] == {}
     assert results["first"][0].policy_version == 0 and later.policy_version == 1
+
+
+def test_new_weights_are_taken_only_with_no_request_in_the_engine():
+    engine = FakeEngine()
+    cb = batcher(engine)
+    cb.submit([3])
+    cb.step()
+    with pytest.raises(RuntimeError, match="new weights with requests in the engine"):
+        cb.take_new_weights(1)
+    cb.run()
+    cb.take_new_weights(1)
+    cb.submit([1])
+    assert [group.policy_version for group in cb.run()] == [1]
