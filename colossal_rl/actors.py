@@ -223,7 +223,10 @@ class ProducerActor:
         self.receivers = []
         run, routes = self.config.run, routes_by_producer[self.rank]
         if self.config.engine_workers_receive_weights:  # each vLLM worker joins as one of this producer's members
-            self.producer.backend.join_weight_sync(routes, timeout_s=run.timeout_s, transport=run.weight_sync_backend)
+            with self.producer.engine_paused():
+                self.producer.backend.join_weight_sync(
+                    routes, timeout_s=run.timeout_s, transport=run.weight_sync_backend
+                )
             return
         # On GPUs broadcast weights arrive over NCCL into this actor's GPU; on CPU over gloo.
         self.receivers = open_receivers(
@@ -304,7 +307,8 @@ class ProducerActor:
         return self.producer.phases.drain()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        return self.producer.backend.named_weights()
+        with self.producer.engine_paused():
+            return self.producer.backend.named_weights()
 
     def shutdown(self) -> None:
         self.producer.close()

@@ -194,10 +194,11 @@ class GenerationConfig:
     microbatch_size: int = 16
     """Prompts generated together in one call of the backend (ColossalChat's -imbs)."""
     continuous_batching: bool = False
-    """Stream mode, transformers backend: each producer runs one decode batch of about ``-imbs`` x ``-g`` rows
-    that prompts join as rows finish; every chunk is one prompt, and its group leaves the producer as soon as it
-    is scored (``rollout/continuous_batching.py``). Weight syncs wait for the running rows to finish (unless
-    ``partial_rollouts``)."""
+    """Stream mode: each producer runs one decode batch of about ``-imbs`` x ``-g`` rows that prompts join as rows
+    finish; every chunk is one prompt, and its group leaves the producer as soon as it is scored. transformers: our
+    own batcher (``rollout/continuous_batching.py``); vLLM: its engine fed prompt by prompt
+    (``rollout/vllm_continuous.py``). Text models, single-turn. Weight syncs wait for the running rows to finish
+    (unless ``partial_rollouts``, transformers only)."""
     partial_rollouts: bool = False
     """With ``continuous_batching``: a weight sync does not wait for the running rows; they stop between two
     decode steps, the new weights load, each row's prompt and tokens so far are re-prefilled, and decoding goes on,
@@ -854,11 +855,6 @@ class RLConfig:
             self.schedule.mode == "stream",
             "generation.continuous_batching",
             "continuous batching feeds the stream schedule: add --schedule stream",
-        )
-        _require(
-            self.generation.backend == "transformers",
-            "generation.continuous_batching",
-            "is the transformers backend's (vLLM batches continuously by itself): use -b transformers",
         )
         _require(
             self.environment.name is None,

@@ -367,8 +367,17 @@ class Producer:
             raise ValueError(
                 f"producer {self.rank}: weights version {policy_version} is older than {self.policy_version}"
             )
-        self.backend.receive_weights(policy_version, loaded_version=self.policy_version)
+        receive = lambda: self.backend.receive_weights(policy_version, loaded_version=self.policy_version)  # noqa: E731
+        if self.engine is None:
+            receive()
+        else:  # at a safe point, as load_weights
+            self.engine.load_weights(receive, policy_version, timeout_s=self.config.run.timeout_s)
         self.policy_version = policy_version
+
+    def engine_paused(self) -> contextlib.AbstractContextManager:
+        """With continuous batching: the shared engine paused (``EngineService.exclusive``) while the caller reaches
+        into the backend (the vLLM engine takes one caller at a time); else nothing."""
+        return self.engine.exclusive() if self.engine is not None else contextlib.nullcontext()
 
     def _merge_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With LoRA the sync carries only adapters: the merged weights W0 + (alpha / r) B A of the layers they
@@ -386,7 +395,7 @@ class Producer:
         batching: of weights ``min_version`` or newer, with decoding paused meanwhile."""
         if self.engine is not None:
             self.engine.wait_for_version(min_version, timeout_s=self.config.run.timeout_s)
-        with self.engine.exclusive() if self.engine is not None else contextlib.nullcontext():
+        with self.engine_paused():
             results = []
             for task, dataset in self.eval_data.items():
                 indices = list(range(self.rank, len(dataset), num_producers))

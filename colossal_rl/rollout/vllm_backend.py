@@ -25,7 +25,10 @@ image processor itself (``mm_processor_kwargs``: the same ``min_pixels``/``max_p
 pads in our prompt is collapsed to one pad, which vLLM expands again, and the rows returned carry *our* expanded ids,
 checked equal to vLLM's (``to_generation_output``): the trainer's ``VisionInputs`` belong to them.
 
-The module imports vLLM only inside ``VllmBackend.__init__``; the pure parts (engine and sampling parameters,
+``--continuous-batching`` (text models): ``continuous_batcher`` feeds this engine prompt by prompt
+(``vllm_continuous.py``), and ``generate`` then runs its requests beside the batcher's.
+
+The module imports vLLM only inside ``VllmBackend``'s methods; the pure parts (engine and sampling parameters,
 image requests, re-batching vLLM's outputs) are module functions tested without it. Weight names are in
 ``vllm_weights.py``.
 """
@@ -423,6 +426,8 @@ class VllmBackend:
         logger.info("vLLM %s engine for %s (tp=%d, max_model_len=%s)", self.vllm_version, model_path,
                     tensor_parallel_size, max_len)  # fmt: skip
         self._closing = False
+        self._continuous = None
+        """``--continuous-batching``: the batcher feeding this engine (:meth:`continuous_batcher`); None without."""
         self._sync_timeout_s: float | None = None
         """The weight sync's timeout once the workers joined it (``join_weight_sync``); None before."""
         self._watchdog = EngineWatchdog(on_death=self._engine_died)
@@ -445,12 +450,38 @@ class VllmBackend:
         inputs, params = vllm_requests(engine_prompts, num_samples, sampling, stop_token_ids=self.eos_token_ids,
                                        seeds=seeds, multi_modal_data=multi_modal_data)  # fmt: skip
         try:
-            outputs = self.llm.generate(inputs, [self._sampling_params_cls(**p) for p in params], use_tqdm=False)
+            if self._continuous is None:
+                outputs = self.llm.generate(inputs, [self._sampling_params_cls(**p) for p in params], use_tqdm=False)
+            else:  # the engine runs the batcher's requests too: LLM.generate would take their outputs as its own
+                outputs = self._continuous.run_apart(inputs, params)
         except Exception as error:
             raise engine_failure("generate", error) from error
         ours = request_prompts(prompts, num_samples, sampling.greedy)
         return to_generation_output(outputs, num_samples=num_samples, pad_token_id=self.pad_token_id,
                                     decode=self._decode, prompt_ids=ours)  # fmt: skip
+
+    def continuous_batcher(self, sampling: SamplingSettings, num_samples: int, max_rows: int):
+        """``--continuous-batching``: prompts fed to this engine as they arrive, groups back as they end
+        (``vllm_continuous.py``); text only. From then on :meth:`generate` runs beside its requests."""
+        if self.processor is not None:
+            raise ValueError("continuous batching does not take vision-language models yet")
+        from vllm.sampling_params import RequestOutputKind
+
+        from colossal_rl.rollout.vllm_continuous import VllmContinuousBatcher
+
+        def final_only(**kwargs):
+            return self._sampling_params_cls(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+
+        self._continuous = VllmContinuousBatcher(self.llm.llm_engine, sampling, num_samples, max_rows=max_rows,
+                                                 pad_token_id=self.pad_token_id, stop_token_ids=self.eos_token_ids,
+                                                 sampling_params=final_only)  # fmt: skip
+        return self._continuous
+
+    def output_of_groups(self, prompts: list[list[int]], groups: list, sampling: SamplingSettings) -> GenerationOutput:
+        """What :meth:`generate` returns, from the continuous batcher's groups of ``prompts`` (in their order)."""
+        from colossal_rl.rollout.vllm_continuous import output_of_groups
+
+        return output_of_groups(prompts, groups, pad_token_id=self.pad_token_id, decode=self._decode)
 
     def _engine_prompts(
         self, prompts: list[list[int]], vision: list[VisionInputs | None] | None, images: list[list[Any]] | None

@@ -41,3 +41,25 @@ def test_load_weights_refuses_a_version_that_is_not_newer(producer):
     producer.load_weights(3, base)
     assert producer.policy_version == 3
     assert_holds(producer, base)
+
+
+def test_weights_the_engine_receives_itself_go_through_the_continuous_batching_engine():
+    """``--vllm-weight-receive workers`` with ``--continuous-batching``: the receive is the load, so it runs at the
+    engine service's safe point (no request in the engine, the next ones labelled with the new version)."""
+    calls = []
+
+    class Service:
+        def load_weights(self, load, version, *, timeout_s):
+            calls.append(("safe point", version))
+            load()
+
+    class Backend:
+        def receive_weights(self, version, *, loaded_version):
+            calls.append(("receive", version, loaded_version))
+
+    producer = object.__new__(Producer)  # only what receive_weights_in_engine reaches: no model
+    producer.config, producer.policy_version = resolve(RLConfig()), 1
+    producer.engine, producer.backend = Service(), Backend()
+    producer.receive_weights_in_engine(2)
+    assert calls == [("safe point", 2), ("receive", 2, 1)]
+    assert producer.policy_version == 2

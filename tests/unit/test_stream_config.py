@@ -50,7 +50,6 @@ def test_unknown_schedule_is_refused_by_the_parser():
         ([*STREAM, "-pp", "2", "-t", "2"], "^--schedule: stream does not support pipeline parallelism yet"),
         ([*STREAM, "--ppo-epochs", "2"], "^--schedule: stream does not support several passes"),
         (["--continuous-batching"], "^--continuous-batching: continuous batching feeds the stream schedule"),
-        ([*STREAM, "--continuous-batching", "-b", "vllm"], "^--continuous-batching: is the transformers backend's"),
         ([*STREAM, "--continuous-batching", "--env", "calculator"], "^--continuous-batching: decodes single-turn"),
         (
             [*PARTIAL, "-b", "vllm"],
@@ -94,3 +93,12 @@ def test_continuous_batching_streams_one_prompt_a_chunk_with_twice_the_engine_sl
     assert producer_concurrency(config) == 8 + 4
     batched = stream_settings(config_of([*STREAM, "-imbs", "4"]), total_steps=3)
     assert (batched.prompts_per_chunk, batched.chunks_in_flight_per_producer) == (4, 2)
+
+
+def test_continuous_batching_takes_either_backend():
+    """vLLM's engine is fed prompt by prompt (``rollout/vllm_continuous.py``): the same chunks and concurrency."""
+    from colossal_rl.actor_groups import producer_concurrency
+
+    config = config_of([*STREAM, "--continuous-batching", "-b", "vllm", "-imbs", "4"])
+    assert (config.generation.backend, config.generation.continuous_batching) == ("vllm", True)
+    assert producer_concurrency(config) == 8 + 4

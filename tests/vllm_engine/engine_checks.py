@@ -9,7 +9,9 @@ load the weights file given (the "sync"), generate again with the same seeds, an
 ``vision_rows`` (a vision-language model) encodes them with the backend's processor, as a producer does, generates
 with their images, writes their processed images (what the trainers would receive) to ``vision_file`` and records
 the installed vLLM's Qwen2.5-VL name mappers; ``language_only_weights`` is a second load without the vision tower
-(a frozen tower's sync), generated from again.
+(a frozen tower's sync), generated from again. A case with ``continuous_max_new_tokens`` also runs the
+continuous-batching checks (``continuous_batching``) and makes its load through ``EngineService`` while prompts decode
+(``load_at_a_safe_point``); its later generations then run beside the batcher's requests.
 """
 
 from __future__ import annotations
@@ -45,6 +47,97 @@ def generate_all(backend, case: dict, prompts: list[list[int]], vision=None, ima
     stops = SamplingSettings(temperature=1.0, max_new_tokens=new, stop_strings=tuple(case["stop_strings"]))
     stopped = backend.generate(prompts, 4, stops, **extra)
     return {"sampled": output_to_json(sampled), "greedy": output_to_json(greedy), "stopped": output_to_json(stopped)}
+
+
+def continuous_batching(backend, case: dict, prompts: list[list[int]]) -> dict:
+    """``--continuous-batching`` on this engine (``rollout/vllm_continuous.py``), before any weight load: greedy
+    groups of prompts submitted at different steps (the longest first, the shortest one step later; 4 rows at most,
+    so two prompts wait), next to ``generate``'s for the same prompts; then sampled groups with ``generate``'s seeds."""
+    import torch
+
+    from colossal_rl.rollout.backend import SamplingSettings
+
+    greedy = SamplingSettings(temperature=1.0, greedy=True, max_new_tokens=case["continuous_max_new_tokens"])
+    reference = backend.generate(prompts, 2, greedy)  # LLM.generate: no batcher yet
+    lengths = reference.response_mask.sum(1)[::2].tolist()
+    long, short = lengths.index(max(lengths)), lengths.index(min(lengths))
+    batcher = backend.continuous_batcher(greedy, 2, max_rows=4)
+    engine = backend.llm.llm_engine
+    submitted, owners, returned = {}, {}, []
+    most_requests, waited, step = 0, False, 0
+    owners[batcher.submit(prompts[long])] = long
+    submitted[long] = step
+    while len(returned) < len(prompts):
+        if step == 1:
+            for index in [short] + [i for i in range(len(prompts)) if i not in (long, short)]:
+                owners[batcher.submit(prompts[index])] = index
+                submitted[index] = step
+        groups = batcher.step()
+        step += 1
+        returned += [(step, owners[g.request_id], g) for g in groups]
+        most_requests = max(most_requests, engine.get_num_unfinished_requests())
+        waited = waited or batcher.waiting_prompts > 0
+    in_order = [g for _, _, g in sorted(returned, key=lambda r: r[1])]
+    torch.manual_seed(0)  # as generate_all's sampled run: the same seeds, in the same order
+    sampling = SamplingSettings(temperature=case["temperature"], max_new_tokens=case["max_new_tokens"])
+    sampled_batcher = backend.continuous_batcher(sampling, 4, max_rows=16)
+    sampled_ids = [sampled_batcher.submit(prompt) for prompt in prompts]
+    sampled = {g.request_id: g for g in sampled_batcher.run()}
+    return {
+        "reference_greedy": output_to_json(reference),
+        "greedy": output_to_json(backend.output_of_groups(prompts, in_order, greedy)),
+        "long_short": [long, short],
+        "submitted_at": [submitted[i] for i in range(len(prompts))],
+        "returned": [[step, index] for step, index, _ in returned],
+        "most_engine_requests": most_requests,
+        "waited": waited,
+        "sampled": output_to_json(backend.output_of_groups(prompts, [sampled[i] for i in sampled_ids], sampling)),
+    }
+
+
+def load_at_a_safe_point(backend, case: dict, prompts: list[list[int]], weights) -> tuple:
+    """The weight load of a continuous-batching producer, asked for while one caller's prompts decode on
+    ``EngineService`` and a second caller's arrive: it runs once none of their requests is in the engine (each group
+    records the version it was admitted under), and a call needing the new version gets groups sampled with it.
+    Returns the service (still running) and what was seen."""
+    import threading
+
+    from colossal_rl.rollout.backend import SamplingSettings
+    from colossal_rl.rollout.engine_service import EngineService
+
+    sampling = SamplingSettings(temperature=case["temperature"], max_new_tokens=case["max_new_tokens"])
+    service = EngineService(backend.continuous_batcher(sampling, 4, max_rows=16))
+    engine, chunks, calls, seen = backend.llm.llm_engine, [prompts[:2], prompts[2:]], {}, {}
+
+    def call(number: int) -> None:
+        calls[number] = service.generate(chunks[number], min_version=0, timeout_s=300)
+
+    def load() -> None:
+        seen["engine_requests_at_load"] = engine.get_num_unfinished_requests()
+        backend.load_weights(weights)
+
+    callers = [threading.Thread(target=call, args=(number,)) for number in range(2)]
+    callers[0].start()
+    deadline = time.monotonic() + 300
+    while service.batcher.running_rows == 0 and 0 not in calls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    seen["rows_when_asked"] = service.batcher.running_rows
+    callers[1].start()
+    service.load_weights(load, 1, timeout_s=300)
+    for caller in callers:
+        caller.join(300)
+    after = service.generate(prompts, min_version=1, timeout_s=300)
+    return service, seen | {
+        "callers": [
+            {
+                "versions": [g.policy_version for g in calls[n]],
+                "output": output_to_json(backend.output_of_groups(chunks[n], calls[n], sampling)),
+            }
+            for n in range(2)
+        ],  # fmt: skip
+        "versions_after": [g.policy_version for g in after],
+        "after": output_to_json(backend.output_of_groups(prompts, after, sampling)),
+    }
 
 
 def receive_in_workers(backend, weights, tensor_parallel_size: int, version: int = 1) -> None:
@@ -134,15 +227,27 @@ def run_case(case: dict) -> dict:
     # What the producer feeds the engine and scores: its tokenizer here runs on transformers 5.
     result["encoded"] = [encode_prompt(backend.tokenizer, messages) for messages in case.get("messages", [])]
     result["decoded"] = backend.tokenizer.batch_decode(case.get("decode", []), skip_special_tokens=True)
+    if case.get("continuous_max_new_tokens"):
+        started = time.perf_counter()
+        result["continuous"] = continuous_batching(backend, case, prompts)
+        result["continuous_s"] = time.perf_counter() - started
     if case.get("weights"):
         weights = load_file(case["weights"])
         started = time.perf_counter()
+        service = None
         if case.get("receive") == "workers":
             receive_in_workers(backend, weights, case.get("tensor_parallel_size", 1))
+        elif case.get("continuous_max_new_tokens"):
+            service, result["continuous_load"] = load_at_a_safe_point(backend, case, prompts, weights)
         else:
             backend.load_weights(weights)
         result["load_s"] = time.perf_counter() - started
-        result["after"] = generate_all(backend, case, prompts, vision, images)
+        if service is None:
+            result["after"] = generate_all(backend, case, prompts, vision, images)
+        else:  # an evaluation's generate with decoding paused: beside the batcher's requests (run_apart)
+            with service.exclusive():
+                result["after"] = generate_all(backend, case, prompts, vision, images)
+            service.close()
         try:
             backend.named_weights()
             result["read_back"] = "read"

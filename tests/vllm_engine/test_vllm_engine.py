@@ -8,6 +8,10 @@ layout contract the transformers backend keeps (group-major rows, EOS/stop strin
 Models: the embedded Qwen2 on 2 tensor-parallel workers, synced twice: through the producer's RPC, then received by
 its workers themselves (each joins the weight sync, receives and loads its shard); a tiny random Qwen3 built here,
 received by its worker; and a model vLLM's CPU attention refuses (head_dim 16).
+
+The Qwen2 engine also runs ``--continuous-batching`` (``rollout/vllm_continuous.py``) before its first sync: groups
+of prompts fed at different steps return as they end and equal ``generate``'s; its first sync is loaded through
+``EngineService`` while prompts decode, and the generations after it run beside the batcher's requests.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ MAX_NEW_TOKENS = 12
 LOGPROB_TOLERANCE = 2e-4
 """fp32 on both sides; vLLM's CPU kernels and torch's SDPA differ in summation order only."""
 STOP_STRING = "1"
+CONTINUOUS_MAX_NEW_TOKENS = 24
+"""Room for the embedded model's greedy answers to end with EOS at different lengths (3 to 14 tokens)."""
 MESSAGES = [  # the default run's system prompt has spaces: transformers 5 once dropped them all
     [{"role": "system", "content": system_prompt_for("boxed", None)}, {"role": "user", "content": "12 + 3 ="}],
     [{"role": "user", "content": "7+8="}],
@@ -91,6 +97,7 @@ def engine_run(producer_python, tmp_path_factory):
         for name in ("qwen2", "qwen3")
     ]  # fmt: skip
     cases[0]["workers_weights"] = str(root / "qwen2_workers.safetensors")
+    cases[0]["continuous_max_new_tokens"] = CONTINUOUS_MAX_NEW_TOKENS
     cases.append({"name": "head_dim_16", "model": str(bad), "prompts": prompts_of(bad), "temperature": 1.0,
                   "max_new_tokens": 4, "stop_strings": []})  # fmt: skip
     request, result = root / "request.json", root / "result.json"
@@ -231,3 +238,63 @@ def test_the_producers_environment_encodes_and_decodes_as_the_trainers_does(engi
     assert result["encoded"] == [encode_prompt(tokenizer, messages) for messages in MESSAGES]
     assert result["decoded"] == tokenizer.batch_decode(DECODED_IDS, skip_special_tokens=True)
     assert " " in result["decoded"][1]
+
+
+# --- continuous batching on the same engine (engine_checks.continuous_batching, load_at_a_safe_point) -----------
+
+
+def test_continuous_batching_greedy_groups_equal_generates(engine_run):
+    """Prompts fed to the engine at different steps, at most 4 rows in it: the rows ``generate`` returns for them."""
+    continuous = engine_run["results"]["qwen2"]["continuous"]
+    got, expected = as_tensors(continuous["greedy"]), as_tensors(continuous["reference_greedy"])
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "truncated"):
+        assert torch.equal(got[name], expected[name]), name
+    torch.testing.assert_close(got["behaviour_logprobs"], expected["behaviour_logprobs"], atol=1e-5, rtol=0)
+    assert continuous["greedy"]["responses"] == continuous["reference_greedy"]["responses"]
+    assert not expected["truncated"].any()  # every answer ended with EOS, at its own length
+
+
+def test_a_later_shorter_prompts_group_returns_before_a_longer_ones(engine_run):
+    continuous = engine_run["results"]["qwen2"]["continuous"]
+    long, short = continuous["long_short"]
+    lengths = as_tensors(continuous["reference_greedy"])["response_mask"].sum(1)[::2]
+    assert lengths[short] < lengths[long]
+    assert continuous["submitted_at"][short] > continuous["submitted_at"][long]
+    returned = {index: step for step, index in continuous["returned"]}
+    assert len(continuous["returned"]) == len(returned) == len(lengths)  # every prompt once
+    assert returned[short] < returned[long]  # an engine step earlier, not only earlier in a list
+
+
+def test_continuous_batching_admits_within_max_rows(engine_run):
+    """4 rows (2 prompts of 2 greedy samples) at most in vLLM's engine; the other prompts waited on our side."""
+    continuous = engine_run["results"]["qwen2"]["continuous"]
+    assert continuous["waited"] and 2 <= continuous["most_engine_requests"] <= 4
+
+
+def test_continuous_sampled_rows_are_generates_with_the_trainers_logprobs(engine_run):
+    """The same seeds as ``generate`` (drawn at submission from the same RNG state): the same samples, and their
+    behaviour log-probs equal the trainer's recompute."""
+    continuous = engine_run["results"]["qwen2"]["continuous"]
+    got, expected = as_tensors(continuous["sampled"]), as_tensors(engine_run["results"]["qwen2"]["before"]["sampled"])
+    assert torch.equal(got["response_ids"], expected["response_ids"])
+    logprobs, rows = trainer_logprobs(EMBEDDED_MODEL_DIR, None, continuous["sampled"], TEMPERATURE)
+    mask = rows["response_mask"].bool()
+    assert mask.sum() >= 16
+    torch.testing.assert_close(rows["behaviour_logprobs"][mask], logprobs[mask], atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_a_continuous_batching_load_waits_for_the_engine_and_each_group_is_its_versions(engine_run):
+    """The load was asked for while the first caller's prompts decoded and the second's arrived: it ran with none
+    of them in the engine; the first caller's groups are version 0, the second's 0 or 1 (admitted before the load
+    or after it), and every group's log-probs are the trainer's at the weights of the version it records."""
+    load = engine_run["results"]["qwen2"]["continuous_load"]
+    assert load["rows_when_asked"] > 0 and load["engine_requests_at_load"] == 0
+    assert load["callers"][0]["versions"] == [0, 0] and load["versions_after"] == [1] * 4
+    served = {0: None, 1: engine_run["weights"]["qwen2"]}
+    outputs = [(caller["versions"], caller["output"]) for caller in load["callers"]]
+    for versions, output in [*outputs, (load["versions_after"], load["after"])]:
+        for version in set(versions):
+            logprobs, rows = trainer_logprobs(EMBEDDED_MODEL_DIR, served[version], output, TEMPERATURE)
+            of_version = torch.tensor(versions).repeat_interleave(4) == version  # 4 samples a group
+            mask = rows["response_mask"].bool() & of_version[:, None]
+            torch.testing.assert_close(rows["behaviour_logprobs"][mask], logprobs[mask], atol=LOGPROB_TOLERANCE, rtol=0)
