@@ -319,6 +319,19 @@ def to_generation_output(
             truncated.append(completion.finish_reason == "length")
     if not responses or len(responses) % num_samples:
         raise ValueError(f"vLLM returned {len(responses)} completions, not a multiple of {num_samples} samples")
+    return padded_output(prompts, responses, logprobs, truncated, pad_token_id=pad_token_id, decode=decode)
+
+
+def padded_output(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    logprobs: list[list[float]],
+    truncated: list[bool],
+    *,
+    pad_token_id: int,
+    decode: Callable[[list[list[int]]], list[str]],
+) -> GenerationOutput:
+    """Rows of token ids as the backends' ``GenerationOutput``: prompts left-padded, responses right-padded."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
     response_ids, response_mask = right_pad(responses, pad_token_id, torch.long)
     behaviour_logprobs, _ = right_pad(logprobs, 0.0, torch.float32)

@@ -31,8 +31,7 @@ import torch
 
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.continuous_batching import DecodedGroup
-from colossal_rl.rollout.transformers_backend import left_pad
-from colossal_rl.rollout.vllm_backend import SEED_RANGE, right_pad, sampled_logprobs, vllm_requests
+from colossal_rl.rollout.vllm_backend import SEED_RANGE, padded_output, right_pad, sampled_logprobs, vllm_requests
 
 
 @dataclass(frozen=True)
@@ -94,18 +93,7 @@ def output_of_groups(
             responses.append(group.response_ids[sample, :length].tolist())
             logprobs.append(group.logprobs[sample, :length].tolist())
         truncated += group.truncated
-    prompt_ids, prompt_mask = left_pad(row_prompts, pad_token_id)
-    response_ids, response_mask = right_pad(responses, pad_token_id, torch.long)
-    behaviour_logprobs, _ = right_pad(logprobs, 0.0, torch.float32)
-    return GenerationOutput(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        behaviour_logprobs=behaviour_logprobs,
-        truncated=torch.tensor(truncated, dtype=torch.bool),
-        responses=decode(responses),
-    )
+    return padded_output(row_prompts, responses, logprobs, truncated, pad_token_id=pad_token_id, decode=decode)
 
 
 @dataclass
