@@ -1,6 +1,7 @@
 """``--env`` in the producer, on the embedded model, no Ray: a round's batch carries multi-turn episodes (the
 environment's tokens in the responses, out of the policy mask) scored by their environment, with turn metrics,
-and evaluation runs episodes too. Without ``--env`` the single-turn path runs (``test_producer_chunk.py``)."""
+and evaluation runs episodes too. Without ``--env`` the single-turn path runs (``test_producer_chunk.py``); it
+gives what the one-step ``single_turn`` environment gives (responses, rewards, eval records)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,29 @@ def test_vllm_engine_length_covers_a_whole_episode_or_the_run_is_refused_before_
     too_short = replace(vllm.generation, vllm=replace(vllm.generation.vllm, max_model_len=600))
     with pytest.raises(ValueError, match=r"max_model_len.*environment.max_total_tokens \(--env\) = 512 \+ 96 = 608"):
         replace(vllm, generation=too_short).validate()
+
+
+def test_without_env_rounds_and_evals_equal_the_one_step_environments(tmp_path):
+    """Today's single-turn run is the ``single_turn`` environment's special case: the default path (one batched
+    generate, shared prompt prefill, batched scoring) and ``--env single_turn`` (one episode per sample through
+    ``run_episodes``) give the same prompts, responses, rewards and eval records. Greedy (top-k 1) so that both
+    sample the same tokens whatever their batch shapes."""
+    from colossal_rl.config import EMBEDDED_EVAL_DATA, DataConfig
+    from colossal_rl.reward import build_reward_scorer
+
+    eval_rows = tmp_path / "eval.jsonl"  # the embedded eval set's first 24 rows
+    eval_rows.write_text("".join(EMBEDDED_EVAL_DATA.read_text().splitlines(keepends=True)[:24]))
+    generation = GenerationConfig(num_generations=GROUP_SIZE, microbatch_size=2, max_new_tokens=8, top_k=1)
+    plain = resolve(RLConfig(generation=generation, data=DataConfig(eval_paths=(("math", str(eval_rows)),))))
+    stepped = replace(plain, environment=EnvironmentConfig(name="single_turn", max_total_tokens=8))
+    producers = [Producer(0, c, reward_scorer=build_reward_scorer(reward_type=c.reward.reward_type))
+                 for c in (plain, stepped)]  # fmt: skip
+    (batch, _), (episodes, _) = (producer.produce(0) for producer in producers)
+    assert episodes.policy_mask is not None and bool((episodes.policy_mask == episodes.response_mask).all())
+    assert batch.prompts == episodes.prompts and batch.responses == episodes.responses
+    assert batch.rewards.tolist() == episodes.rewards.tolist() and batch.reward_status == episodes.reward_status
+    assert batch.advantages.tolist() == episodes.advantages.tolist()
+    (plain_eval,), (stepped_eval,) = (producer.evaluate(1) for producer in producers)
+    assert plain_eval.accuracy == stepped_eval.accuracy
+    keys = ("index", "sample", "response", "reward", "correct", "status")
+    assert [[r[k] for k in keys] for r in plain_eval.records] == [[r[k] for k in keys] for r in stepped_eval.records]
