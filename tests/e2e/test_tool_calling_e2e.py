@@ -11,8 +11,8 @@ mid-episode"): a run whose producer is ``kill -9``-ed mid-episode (restarted, it
 and whose driver is then ``kill -9``-ed after the step-CHECKPOINT checkpoint (episodes of the next round generated
 and not trained yet in it), resumed from it with ``-cp``. With the round schedule a round's episodes are a pure
 function of (seed, round, producer, weights), so both runs must train every step alike to the undisturbed one
-(observed: bit-identical). The kill and the resume are one run sequence: 89 s on top of the undisturbed run's 49 s
-(2 cores shared with other jobs, load 3-5).
+(observed: bit-identical). The kill and the resume are one run sequence: 67 s on top of the undisturbed run's 44 s
+on 2 nearly idle cores (89 s and 49 s with other jobs' load 3-5).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from colossal_rl.plot import main as plot_main
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
-"""41 s on 2 cores (49 s with load 3-5 and the checkpoints). Measured with README's command on seed 0: rollout tool-call rate 0.22, 0.29 at steps 0-1 and
-0.44, 0.48 at steps 6-7, rollout accuracy 0.039, 0.078 -> 0.086, 0.148; greedy eval (every 2 steps) stays at 0
-through step 10 and flips at step 12 (accuracy 0.475, tool-call rate 1.0): too close to the end of a 12-step run
-(60 s) to assert on without flakiness, so the eval lift is README's 16-step measurement's to show."""
+"""41 s on 2 cores (44 s with the checkpoints). Measured with README's command on seed 0: rollout tool-call rate
+0.22, 0.29 at steps 0-1 and 0.44, 0.48 at steps 6-7, rollout accuracy 0.039, 0.078 -> 0.086, 0.148; greedy eval
+(every 2 steps) stays at 0 through step 10 and flips at step 12 (accuracy 0.475, tool-call rate 1.0): too close to
+the end of a 12-step run (60 s) to assert on without flakiness, so the eval lift is README's 16-step
+measurement's to show."""
 CHECKPOINT = 4
 """Checkpoints are saved every CHECKPOINT steps; the killed driver is killed once this step's is committed."""
 
@@ -97,11 +98,12 @@ def test_readme_calculator_command_raises_the_tool_call_rate(undisturbed, tmp_pa
     assert (tmp_path / "plots" / "tool_calls.png").stat().st_size > 0
 
 
-def train_steps(save_dir: Path) -> list[int]:
-    """The steps a run in ``save_dir`` has trained so far (its metrics' complete lines)."""
+def first_round_done(save_dir: Path) -> bool:
+    """Whether the run in ``save_dir`` logged its first round's end (step 1 trained, weights synced; its metrics'
+    complete lines): the driver then asks the producer for one more round at once, which takes it seconds."""
     text = "".join(path.read_text() for path in save_dir.glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
-    return [r["step"] for r in records if r["kind"] == "train"]
+    return any(r["kind"] == "sync" and "time/round_s" in r for r in records)
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +113,8 @@ def killed_and_resumed(tmp_path_factory) -> dict:
     killed_dir, resumed_dir = tmp_path_factory.mktemp("killed"), tmp_path_factory.mktemp("resumed")
     run = Run(command(killed_dir, "--max-actor-restarts", "2"))
     try:
-        # After step 1 (trained, synced): the restarted producer must regenerate its episodes with those weights.
-        run.wait_for(lambda: train_steps(killed_dir), "step 1")
+        # While it generates a round's episodes: restarted, it must generate them again with step 1's weights.
+        run.wait_for(lambda: first_round_done(killed_dir), "the first round's end")
         os.kill(run.wait_for(lambda: min(run.actor_pids(), default=None), "a producer process"), signal.SIGKILL)
         restarted = "died and was restarted (1 of --max-actor-restarts 2)"
         run.wait_for(lambda: restarted in run.output, "the producer's restart")
