@@ -11,7 +11,8 @@ with their images, writes their processed images (what the trainers would receiv
 the installed vLLM's Qwen2.5-VL name mappers; ``language_only_weights`` is a second load without the vision tower
 (a frozen tower's sync), generated from again. A case with ``continuous_max_new_tokens`` also runs the
 continuous-batching checks (``continuous_batching``) and makes its load through ``EngineService`` while prompts decode
-(``load_at_a_safe_point``); its later generations then run beside the batcher's requests.
+(``load_at_a_safe_point``); its later generations then run beside the batcher's requests. A case with
+``episodes`` runs multi-turn episodes through the backend before any load (``multi_turn_episodes``).
 """
 
 from __future__ import annotations
@@ -169,6 +170,68 @@ def receive_in_workers(backend, weights, tensor_parallel_size: int, version: int
     senders[0].close()
 
 
+class CalculatorEveryTurn:
+    """A tool environment that answers every policy turn with a calculator result and is never done: each episode
+    runs ``max_turns`` policy turns with tool results between them (the engine test's models never call a tool
+    themselves)."""
+
+    def reset(self, row: dict) -> list[dict]:
+        self.row = row
+        return [{"role": "user", "content": row["question"]}]
+
+    def step(self, text: str):
+        from colossal_rl.environments.base import StepResult
+        from colossal_rl.environments.calculator import evaluate, format_value
+
+        value = format_value(evaluate(self.row["question"].rstrip("=")))
+        return StepResult(observation=({"role": "tool", "name": "calculator", "content": value},), tool_calls=1)
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingBackend:
+    """The backend, each generate call's prompts and output recorded: every policy turn of the episodes."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, []
+
+    def generate(self, prompts, num_samples, sampling, vision=None, images=None):
+        output = self.backend.generate(prompts, num_samples, sampling)
+        self.calls.append({"prompts": [list(p) for p in prompts], **output_to_json(output)})
+        return output
+
+
+def multi_turn_episodes(backend, case: dict) -> dict:
+    """``case["episodes"]`` (questions, samples, limits) run by ``run_episodes`` through the backend: each
+    turn's generate call and the episodes, collated as a producer's rollout batch."""
+    import torch
+
+    from colossal_rl.rollout.backend import SamplingSettings
+    from colossal_rl.rollout.chat_turns import ChatTurns
+    from colossal_rl.rollout.multi_turn import MultiTurnLimits, collate, run_episodes
+
+    spec = case["episodes"]
+    rows = [{"question": q} for q in spec["questions"] for _ in range(spec["samples"])]
+    recording = RecordingBackend(backend)
+    sampling = SamplingSettings(temperature=case["temperature"], max_new_tokens=case["max_new_tokens"])
+    limits = MultiTurnLimits(max_turns=spec["max_turns"], max_total_tokens=spec["max_total_tokens"])
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    episodes = run_episodes(recording, ChatTurns(backend.tokenizer), [CalculatorEveryTurn() for _ in rows], rows,
+                            sampling, limits)  # fmt: skip
+    batch = collate(episodes, backend.pad_token_id)
+    return {
+        "seconds": time.perf_counter() - started,
+        "calls": recording.calls,
+        "turns": [[[t.generated_tokens, t.observation_tokens] for t in e.turns] for e in episodes],
+        "ends": [e.end for e in episodes],
+        "texts": [list(e.turn_texts) for e in episodes],
+        "batch": {name: getattr(batch, name).tolist() for name in (
+            "prompt_ids", "prompt_mask", "response_ids", "response_mask", "policy_mask", "behaviour_logprobs")},
+    }  # fmt: skip
+
+
 def vision_prompts(backend, case: dict) -> tuple[list[list[int]], list, list]:
     """The case's image rows encoded as a producer encodes them (prompt ids, VisionInputs, raw images); the
     processed images are saved for the trainers' side."""
@@ -224,6 +287,8 @@ def run_case(case: dict) -> dict:
         prompts, vision, images = vision_prompts(backend, case)
     result = {"start_s": time.perf_counter() - started, "prompts": prompts}
     result["before"] = generate_all(backend, case, prompts, vision, images)
+    if case.get("episodes"):
+        result["episodes"] = multi_turn_episodes(backend, case)
     # What the producer feeds the engine and scores: its tokenizer here runs on transformers 5.
     result["encoded"] = [encode_prompt(backend.tokenizer, messages) for messages in case.get("messages", [])]
     result["decoded"] = backend.tokenizer.batch_decode(case.get("decode", []), skip_special_tokens=True)

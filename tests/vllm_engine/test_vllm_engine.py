@@ -47,6 +47,10 @@ MESSAGES = [  # the default run's system prompt has spaces: transformers 5 once 
     [{"role": "user", "content": "7+8="}],
 ]
 DECODED_IDS = [[5, 6, 7, 0], [2, 38, 5, 73, 4, 9, 5, 5]]
+EPISODES = {"questions": ["12+34=", "7*8="], "samples": 2, "max_turns": 3, "max_total_tokens": 110}
+"""Multi-turn episodes on the tiny Qwen3's engine (``engine_checks.CalculatorEveryTurn``; one worker: a turn's
+generate call costs ~0.1 s there, ~15 s on the Qwen2's 2 workers on 2 busy cores): a tool result (37-38 tokens)
+after each of 3 turns of up to MAX_NEW_TOKENS, within the engine's 128 tokens with the 8-token prompt."""
 
 
 def perturbed_weights(model: torch.nn.Module, path: Path, seed: int) -> dict[str, torch.Tensor]:
@@ -98,6 +102,7 @@ def engine_run(producer_python, tmp_path_factory):
     ]  # fmt: skip
     cases[0]["workers_weights"] = str(root / "qwen2_workers.safetensors")
     cases[0]["continuous_max_new_tokens"] = CONTINUOUS_MAX_NEW_TOKENS
+    cases[1]["episodes"] = EPISODES
     cases.append({"name": "head_dim_16", "model": str(bad), "prompts": prompts_of(bad), "temperature": 1.0,
                   "max_new_tokens": 4, "stop_strings": []})  # fmt: skip
     request, result = root / "request.json", root / "result.json"
@@ -298,3 +303,52 @@ def test_a_continuous_batching_load_waits_for_the_engine_and_each_group_is_its_v
             of_version = torch.tensor(versions).repeat_interleave(4) == version  # 4 samples a group
             mask = rows["response_mask"].bool() & of_version[:, None]
             torch.testing.assert_close(rows["behaviour_logprobs"][mask], logprobs[mask], atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_multi_turn_episodes_keep_the_engines_tokens_and_mask_the_environments(engine_run):
+    """``--env`` on vLLM, token in and token out: each turn's request is the episode's whole history as ids (prompt,
+    earlier turns as sampled, tool results), each turn's sampled ids and behaviour log-probs enter the episode
+    unchanged with ``policy_mask`` 1, the tool results' tokens have ``policy_mask`` 0 and log-prob 0, and the
+    trainer's forward of the whole episode gives the engine's log-probs on the policy's tokens."""
+    result, model_dir = engine_run["results"]["qwen3"]["episodes"], engine_run["models"]["qwen3"]
+    batch = as_tensors(result["batch"])
+    prompt_length = batch["prompt_ids"].shape[1]
+    assert len(result["calls"]) == EPISODES["max_turns"]
+    assert all(len(turns) == EPISODES["max_turns"] for turns in result["turns"]), result["ends"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ended_at_eos = 0
+    for row, turns in enumerate(result["turns"]):
+        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
+        response = batch["response_ids"][row].tolist()
+        policy_mask = batch["policy_mask"][row].tolist()
+        logprobs = batch["behaviour_logprobs"][row]
+        offset = 0
+        for turn, (generated, observed) in enumerate(turns):
+            call = result["calls"][turn]  # every episode runs every turn: row `row` of each call
+            assert call["prompts"][row] == prompt + response[:offset], f"episode {row} turn {turn}: not its history"
+            length = sum(call["response_mask"][row])  # every sampled id kept (EOS too), unless cut to the budget
+            assert generated == min(length, EPISODES["max_total_tokens"] - offset), f"episode {row} turn {turn}"
+            sampled = call["response_ids"][row][:generated]
+            ended_at_eos += sampled[-1] == tokenizer.eos_token_id
+            assert response[offset : offset + generated] == sampled
+            assert policy_mask[offset : offset + generated] == [1] * generated
+            assert logprobs[offset : offset + generated].tolist() == call["behaviour_logprobs"][row][:generated]
+            offset += generated
+            assert policy_mask[offset : offset + observed] == [0] * observed
+            assert (logprobs[offset : offset + observed] == 0).all()
+            offset += observed
+        assert offset == int(batch["response_mask"][row].sum())
+        assert sum(observed for _, observed in turns) >= 2 * 37, "tool results between the 3 turns"
+    assert ended_at_eos, "no turn ended at EOS: the test does not show a sampled EOS kept"
+    assert "<tool_response>\n46\n</tool_response>" in tokenizer.decode(batch["response_ids"][0])
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
+    input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
+    with torch.no_grad():
+        trainer, _ = response_logprobs(model, input_ids, attention_mask, prompt_length=prompt_length,
+                                       response_ids=batch["response_ids"], temperature=TEMPERATURE,
+                                       logits_from_hidden=False)  # fmt: skip
+    policy = batch["policy_mask"].bool()
+    assert policy.sum() >= 3 * 4 * 3
+    torch.testing.assert_close(batch["behaviour_logprobs"][policy], trainer[policy], atol=LOGPROB_TOLERANCE, rtol=0)
