@@ -2,10 +2,12 @@
 is trained, no group staler than ``--max-staleness``, no prompt trained twice in the epoch, evals where ``-ei``
 puts them; with DAPO's dynamic sampling the filtered groups are made up by further chunks; a resumed run trains
 no row the interrupted one trained; a producer killed mid-run is restarted and its lost chunks' rows are
-generated again."""
+generated again. The three runs train one sequence layout each (packed, padded, the default shared_prompt)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -21,6 +23,7 @@ from colossal_rl.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["-t", "2", "-i", "2", "-g", "4", "-ibs", "8", "-imbs", "4", "-tbs", "4", "-tMbs", "4", "-tmbs", "16"]
 STREAM = ["--schedule", "stream", "--no-wandb", "--timeout", "120"]
+PADDED = ("--sequence-layout", "padded")
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -37,27 +40,39 @@ def run_stream(tmp_path: Path, *flags: str) -> tuple[str, list[dict]]:
     return output, read_metrics(run_dir / "metrics.jsonl")
 
 
-def assert_streamed(records: list[dict], *, steps: int, max_staleness: int) -> list[dict]:
+def assert_streamed(records: list[dict], *, steps: int, max_staleness: int, groups_per_step: int = 2 * 4) -> list[dict]:
+    """``groups_per_step``: dp 2 x -tbs 4 groups unless the run says otherwise."""
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     for record in train:
         assert record["schedule/step_staleness_max"] <= max_staleness, record
         assert record["train/staleness"] <= max_staleness, record
-        assert len(record["train/data_indices"]) == 2 * 4  # dp 2 x -tbs 4 groups
+        assert len(record["train/data_indices"]) == groups_per_step
+        assert math.isfinite(record["train/loss"]), record
     trained = [index for record in train for index in record["train/data_indices"]]
     assert len(trained) == len(set(trained)), "a prompt was trained twice in the epoch"
     return train
+
+
+def assert_layout(output: str, train: list[dict], layout: str) -> None:
+    """The trainers' forwards ran ``layout`` (``--sequence-layout``; the default resolves to shared_prompt on CPU):
+    the trainer says so, and the positions it computed per real token agree (below 1 only when each group's
+    prompt is computed once)."""
+    assert f"training forward: {layout} sequence layout" in output
+    per_real_token = [record["train/computed_per_real_token"] for record in train]
+    assert all((value < 1) == (layout == "shared_prompt") for value in per_real_token), per_real_token
 
 
 def test_stream_run_with_dynamic_sampling_and_sparser_syncs_still_trains_the_requested_steps(tmp_path):
     """With continuous batching too: producers run concurrent one-prompt chunks on one shared engine; with partial
     rollouts, whose per-token versions reach the trainers (a sync lands mid-response only when rows happen to be
     running then: ``test_producer_chunk.py`` makes it happen)."""
-    _, records = run_stream(
+    output, records = run_stream(
         tmp_path, "-a", "DAPO", "-mnt", "16", "--max-steps", "4", "-ei", "2", "--max-staleness", "2",
-        "--sync-every-steps", "2", "--continuous-batching", "--partial-rollouts",
+        "--sync-every-steps", "2", "--continuous-batching", "--partial-rollouts", "--sequence-layout", "packed",
     )  # fmt: skip
     train = assert_streamed(records, steps=4, max_staleness=2)
+    assert_layout(output, train, "packed")
     assert [r["step"] for r in records if r["kind"] == "sync"] == [2, 4]
     rollouts = [r for r in records if r["kind"] == "rollout"]
     filtered = sum(r["rollout/groups_filtered"] for r in rollouts)
@@ -73,13 +88,12 @@ def test_a_stream_run_stays_within_the_staleness_bound_and_resumes_training_no_r
     """A 4-step run (eval every 2 steps, a checkpoint at step 2, chunks in flight and groups waiting then) trains
     every step within the staleness bound, syncs after every step and ran ahead; resumed from its step-2
     checkpoint in a new run, it trains steps 3 and 4, and the two runs' steps 1-2 and 3-4 train no row twice."""
-    import json
-
-    _, first = run_stream(tmp_path / "first", "--max-steps", "4", "-ei", "2", "-si", "2")
+    output, first = run_stream(tmp_path / "first", "--max-steps", "4", "-ei", "2", "-si", "2", *PADDED)
     (run_dir,) = list((tmp_path / "first").iterdir())
     assert (run_dir / "startup.json").is_file()
     assert [r["time/first_rollout_s"] > 0 for r in first if r["kind"] == "startup"] == [True]
     train = assert_streamed(first, steps=4, max_staleness=1)
+    assert_layout(output, train, "padded")
     assert any(record["schedule/step_staleness_max"] == 1 for record in train)  # it did run ahead
     assert [r["step"] for r in first if r["kind"] == "eval"] == [0, 2, 4]
     assert [r["step"] for r in first if r["kind"] == "sync"] == [1, 2, 3, 4]
@@ -88,13 +102,14 @@ def test_a_stream_run_stays_within_the_staleness_bound_and_resumes_training_no_r
     snapshot = json.loads((checkpoint / "state.json").read_text())["stream_schedule"]
     assert snapshot["steps_done"] == 2
     assert snapshot["in_flight"] or snapshot["waiting"], "nothing was in flight at the checkpoint: a weak test"
-    _, resumed = run_stream(tmp_path / "resumed", "--max-steps", "4", "-ei", "0", "-cp", str(checkpoint))
+    output, resumed = run_stream(tmp_path / "resumed", "--max-steps", "4", "-ei", "0", "-cp", str(checkpoint), *PADDED)
     before = [r for r in first if r["kind"] == "train" and r["step"] <= 2]
     after = [r for r in resumed if r["kind"] == "train"]
     assert [r["step"] for r in after] == [3, 4]
     rows = [index for record in before + after for index in record["train/data_indices"]]
     assert len(rows) == 4 * 8 and len(set(rows)) == len(rows), "a row was trained twice in the epoch"
     assert all(record["schedule/step_staleness_max"] <= 1 for record in after)
+    assert_layout(output, after, "padded")
 
 
 def test_a_producer_killed_mid_run_is_restarted_and_its_rows_generated_again(tmp_path):
@@ -118,5 +133,6 @@ def test_a_producer_killed_mid_run_is_restarted_and_its_rows_generated_again(tmp
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["faults/producer_restarts"] for r in records if r["kind"] == "faults"] == [1]
     train = assert_streamed(records, steps=8, max_staleness=1)
+    assert_layout(text, train, "shared_prompt")
     assert "lost with its producer: its rows are handed out again" in text
     assert train[-1]["schedule/groups_requeued"] > 0
