@@ -248,6 +248,8 @@ class StreamLoop:
         death, ends the run (with the resume command)."""
         # the restore is queued behind every call they had: once it returns, each of those has failed
         restarted = self.driver.restarted_producers(failure, item.calls, whole_sync=item.kind == "sync")
+        if not restarted and not any(_lost(call) for call in item.calls):
+            raise failure  # a sync's call failed with its producers alive and not restarted: an error, not a death
         for waiting in list(self.waiting):
             lost = [call for call in waiting.calls if _lost(call)]
             if waiting.kind == "sync" and (lost or restarted):

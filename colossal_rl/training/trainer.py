@@ -271,6 +271,8 @@ class Trainer:
             max_over_ranks=self._global_max if self.dp_size > 1 else None,
             rope_tokens=rope_tokens_of(model_config),
         )
+        if self.rank == 0:  # what ``auto`` resolved to depends on the attention and the model: say it once
+            logger.info("training forward: %s sequence layout", self.micro_forward.layout)
         self.step_runner = step_runner_for(
             self.plugin, self.config.parallel.pp_size, self.micro_forward, self.booster, self.optimizer, self.dp_size
         )

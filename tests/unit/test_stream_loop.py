@@ -1,15 +1,19 @@
 """The streaming driver loop's pure parts (``colossal_rl/stream_loop.py``): how many steps a run has, the
-scheduler settings a config makes, and a step's schedule metrics. The loop itself runs in
-tests/e2e/test_streaming_e2e.py."""
+scheduler settings a config makes, a step's schedule metrics, and what a failed sync without a producer death
+does. The loop itself runs in tests/e2e/test_streaming_e2e.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from colossal_rl import stream_loop
+from colossal_rl.actor_groups import ActorId, Call, RunFailed
 from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, ScheduleConfig, TrainConfig
 from colossal_rl.data import DataError
 from colossal_rl.schedule.events import StepOrder, TrainGroup
-from colossal_rl.stream_loop import step_metrics, stream_settings, stream_total_steps
+from colossal_rl.stream_loop import StreamLoop, Waiting, step_metrics, stream_settings, stream_total_steps
 
 
 def config(**schedule) -> RLConfig:
@@ -47,3 +51,22 @@ def test_step_metrics_histogram_of_staleness():
         "schedule/step_dropped_stale": 2.0,
         "schedule/trainer_version": 5.0,
     }
+
+
+def test_a_sync_failing_on_a_live_producer_ends_the_run_naming_the_error(monkeypatch):
+    """A producer's ``receive_weights`` raising (alive, not restarted: no death to recover from) is re-raised. It was
+    once swallowed: the sync stayed waiting for ever, no later sync was ordered, every later group was dropped as
+    stale and the run ended "stalled", without the error."""
+    producer = ActorId("producer", 0)
+    sync = Waiting(
+        "sync",
+        [Call(ActorId("trainer", 0), "push_weights", ref=object()), Call(producer, "receive_weights", ref=object())],
+        1,
+    )
+    loop = object.__new__(StreamLoop)  # only what ``_recover`` reads
+    loop.driver = SimpleNamespace(restarted_producers=lambda failure, calls, whole_sync: [])
+    loop.waiting, loop._unanswered = [sync], set()
+    monkeypatch.setattr(stream_loop, "_lost", lambda call: False)  # no call failed by a death or a restart
+    failure = RunFailed("producer 0 failed: AttributeError: boom", {producer: "failed"})
+    with pytest.raises(RunFailed, match="AttributeError: boom"):
+        loop._recover(failure, sync)
