@@ -217,18 +217,22 @@ def test_resume_after_kill_9_matches_the_uninterrupted_run(uninterrupted, dropou
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr
 
-    expected = train_records(uninterrupted)
-    before_kill = train_records(killed_run)
-    resumed = train_records(run_dir_in(resumed_dir))
-    assert sorted(expected) == list(range(1, STEPS + 1))
-    assert sorted(resumed) == list(range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1)), "resume must start after step k"
-    assert_trained_alike(expected, resumed, range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1))
+    assert_resumed_alike(
+        train_records(uninterrupted), train_records(killed_run), train_records(run_dir_in(resumed_dir)),
+        checkpoint_step=KILL_AFTER_CHECKPOINT, steps=STEPS,
+    )  # fmt: skip
 
-    # Every prompt trained exactly once across the killed run (up to k) and the resumed one.
-    seen = [i for s in range(1, KILL_AFTER_CHECKPOINT + 1) for i in before_kill[s]["train/data_indices"]]
-    seen += [i for s in range(KILL_AFTER_CHECKPOINT + 1, STEPS + 1) for i in resumed[s]["train/data_indices"]]
+
+def assert_resumed_alike(expected: dict, before_kill: dict, resumed: dict, *, checkpoint_step: int, steps: int) -> None:
+    """A run killed after its ``checkpoint_step`` checkpoint and resumed from it trained steps 1..``steps`` alike
+    to the uninterrupted run (``expected``), and every prompt exactly once across the killed and resumed runs."""
+    assert sorted(expected) == list(range(1, steps + 1))
+    assert sorted(resumed) == list(range(checkpoint_step + 1, steps + 1)), "resume must start after the checkpoint"
+    assert_trained_alike(expected, resumed, range(checkpoint_step + 1, steps + 1))
+    seen = [i for s in range(1, checkpoint_step + 1) for i in before_kill[s]["train/data_indices"]]
+    seen += [i for s in range(checkpoint_step + 1, steps + 1) for i in resumed[s]["train/data_indices"]]
     assert sorted(seen) == sorted(i for s in expected.values() for i in s["train/data_indices"])
-    assert len(seen) == len(set(seen)), "a prompt was trained twice within the episode"
+    assert len(seen) == len(set(seen)), "a prompt was trained twice across the killed and the resumed run"
 
 
 def test_checkpoints_are_committed_whole_and_export_loads_and_generates(uninterrupted):
