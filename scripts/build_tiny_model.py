@@ -25,6 +25,7 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,11 +242,8 @@ def pretrain(model: Qwen2ForCausalLM, tokenizer, rows: list[dict], task: TaskSpe
     prefix_length = common_prefix_length(prompts)
     prefix = prompts[0][:prefix_length]
     answers = torch.tensor([int(row["gt_answer"]) for row in rows])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, train))
-    model.train()
-    start = time.perf_counter()
-    for step in range(train.steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         indices = torch.randint(len(rows), (train.batch_size,), generator=generator).tolist()
         correct = torch.rand(train.batch_size, generator=generator) < task.label_correct_probability
         if step < train.clean_steps:
@@ -256,14 +254,30 @@ def pretrain(model: Qwen2ForCausalLM, tokenizer, rows: list[dict], task: TaskSpe
             for i, label in zip(indices, labels, strict=True)
         ]
         num_unlabelled = [len(prompts[i]) - prefix_length for i in indices]
-        loss = prefix_shared_loss(model, prefix, suffixes, num_unlabelled, tokenizer.pad_token_id)
+        return prefix_shared_loss(model, prefix, suffixes, num_unlabelled, tokenizer.pad_token_id)
+
+    optimize(model, train, loss_at)
+
+
+def optimize(model, train: TrainSpec, loss_at: Callable[[int], torch.Tensor]) -> None:
+    """``train.steps`` AdamW steps on ``loss_at(step)`` (gradients clipped to norm 1, ``_lr_factor``'s schedule),
+    the model in train mode meanwhile; the pre-training loop of every build script."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, train))
+    model.train()
+    start = time.perf_counter()
+    losses: list[float] = []
+    for step in range(train.steps):
+        loss = loss_at(step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        losses.append(loss.item())
         if step % 100 == 0 or step == train.steps - 1:
-            logger.info("step %d/%d loss %.4f (%.0f s)", step, train.steps, loss.item(), time.perf_counter() - start)
+            logger.info("step %d/%d loss %.4f (mean of last 100 %.4f) (%.0f s)", step, train.steps, losses[-1],
+                        statistics.mean(losses[-100:]), time.perf_counter() - start)  # fmt: skip
     model.eval()
 
 
@@ -330,9 +344,10 @@ def evaluate(model, tokenizer, rows: list[dict], num_samples: int = 8, batch_siz
     }
 
 
-def start_build(doc: str, train_spec: type, task_spec: type, seed: int) -> argparse.Namespace:
-    """A build script's flags (defaults from its ``TrainSpec``/``TaskSpec``), logging, and the reproducibility
-    settings every build runs under: one thread, deterministic algorithms, ``seed``. Shared with build_tiny_vlm."""
+def start_build(doc: str, train_spec: TrainSpec, task_spec: type, seed: int) -> argparse.Namespace:
+    """A build script's flags (defaults from its ``TrainSpec`` values and ``TaskSpec``), logging, and the
+    reproducibility settings every build runs under: one thread, deterministic algorithms, ``seed``. Shared with
+    build_tiny_vlm."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--output-root", type=Path, default=ASSETS_DIR)
     parser.add_argument("--clean-steps", type=int, default=train_spec.clean_steps)
@@ -347,7 +362,7 @@ def start_build(doc: str, train_spec: type, task_spec: type, seed: int) -> argpa
 
 
 def main() -> None:
-    args = start_build(__doc__, TrainSpec, TaskSpec, SEED)
+    args = start_build(__doc__, TrainSpec(), TaskSpec, SEED)
     start = time.perf_counter()
     task = TaskSpec(label_correct_probability=args.label_correct_probability)
     train = TrainSpec(clean_steps=args.clean_steps, noisy_steps=args.noisy_steps)

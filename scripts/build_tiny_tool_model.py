@@ -44,7 +44,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,10 +52,11 @@ from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_tiny_model import (  # noqa: E402
-    _lr_factor,
+    TrainSpec,
     build_model,
     build_tokenizer,
     loss_after_shared_prefix,
+    optimize,
     write_jsonl,
 )
 
@@ -116,21 +117,9 @@ class TaskSpec:
     """After the clean phase, a pre-training episode calls the calculator with this probability."""
 
 
-@dataclass(frozen=True)
-class TrainSpec:
-    """``clean_steps`` with tool episodes half of the time, then ``noisy_steps`` at ``tool_probability``; one
-    warmup + cosine learning-rate schedule over both (``build_tiny_model._lr_factor``)."""
-
-    clean_steps: int = 600
-    noisy_steps: int = 200
-    batch_size: int = 32
-    learning_rate: float = 3e-3
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-
-    @property
-    def steps(self) -> int:
-        return self.clean_steps + self.noisy_steps
+TRAIN = TrainSpec(clean_steps=600, noisy_steps=200, batch_size=32, learning_rate=3e-3, warmup_steps=100)
+"""``clean_steps`` with tool episodes half of the time, then ``noisy_steps`` at ``tool_probability``; one warmup +
+cosine learning-rate schedule over both (``build_tiny_model._lr_factor``)."""
 
 
 def build_tool_tokenizer() -> PreTrainedTokenizerFast:
@@ -251,24 +240,15 @@ def pretrain(model, tokenizer, episodes: list[Episodes], task: TaskSpec, train: 
     generator = torch.Generator().manual_seed(SEED + 1)
     prefix_length = shared_prefix_length([e.direct[0] for e in episodes])
     prefix = episodes[0].direct[0][:prefix_length]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, train))
-    model.train()
-    start = time.perf_counter()
-    for step in range(train.steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         indices = torch.randint(len(episodes), (train.batch_size,), generator=generator).tolist()
         tool_probability = 0.5 if step < train.clean_steps else task.tool_probability
         calls = (torch.rand(train.batch_size, generator=generator) < tool_probability).tolist()
         sequences = [episodes[i].tool if call else episodes[i].direct for i, call in zip(indices, calls, strict=True)]
-        loss = batch_loss(model, prefix, sequences, tokenizer.pad_token_id)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % 100 == 0 or step == train.steps - 1:
-            logger.info("step %d/%d loss %.4f (%.0f s)", step, train.steps, loss.item(), time.perf_counter() - start)
-    model.eval()
+        return batch_loss(model, prefix, sequences, tokenizer.pad_token_id)
+
+    optimize(model, train, loss_at)
 
 
 def evaluate(model_dir: Path, rows: list[dict], num_samples: int = 4) -> dict[str, float]:
@@ -311,8 +291,8 @@ def evaluate(model_dir: Path, rows: list[dict], num_samples: int = 4) -> dict[st
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-root", type=Path, default=ASSETS_DIR)
-    parser.add_argument("--clean-steps", type=int, default=TrainSpec.clean_steps)
-    parser.add_argument("--noisy-steps", type=int, default=TrainSpec.noisy_steps)
+    parser.add_argument("--clean-steps", type=int, default=TRAIN.clean_steps)
+    parser.add_argument("--noisy-steps", type=int, default=TRAIN.noisy_steps)
     parser.add_argument("--tool-probability", type=float, default=TaskSpec.tool_probability)
     parser.add_argument("--skip-eval", action="store_true", help="build only; do not measure the model")
     return parser.parse_args()
@@ -326,7 +306,7 @@ def main() -> None:
     torch.manual_seed(SEED)
     start = time.perf_counter()
     task = TaskSpec(tool_probability=args.tool_probability)
-    train = TrainSpec(clean_steps=args.clean_steps, noisy_steps=args.noisy_steps)
+    train = replace(TRAIN, clean_steps=args.clean_steps, noisy_steps=args.noisy_steps)
 
     train_rows, eval_rows = build_rows(task)
     write_jsonl(args.output_root / DATA_DIR_NAME / "train.jsonl", train_rows)

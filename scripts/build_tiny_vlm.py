@@ -40,7 +40,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -56,8 +56,9 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_tiny_model import (  # noqa: E402
-    _lr_factor,
+    TrainSpec,
     boxed_answer,
+    optimize,
     start_build,
     write_jsonl,
 )
@@ -116,21 +117,9 @@ class TaskSpec:
     """Noisy-phase labels are the true count with this probability, else one off (count + 1, or 4 for 5)."""
 
 
-@dataclass(frozen=True)
-class TrainSpec:
-    """Pre-training schedule: ``clean_steps`` on true counts, then ``noisy_steps`` on noisy labels; one warmup +
-    cosine learning-rate schedule over both (``build_tiny_model._lr_factor``)."""
-
-    clean_steps: int = 800
-    noisy_steps: int = 250
-    batch_size: int = 8
-    learning_rate: float = 3e-4
-    warmup_steps: int = 50
-    weight_decay: float = 0.01
-
-    @property
-    def steps(self) -> int:
-        return self.clean_steps + self.noisy_steps
+TRAIN = TrainSpec(clean_steps=800, noisy_steps=250, batch_size=8, learning_rate=3e-4, warmup_steps=50)
+"""Pre-training schedule: ``clean_steps`` on true counts, then ``noisy_steps`` on noisy labels; one warmup +
+cosine learning-rate schedule over both (``build_tiny_model._lr_factor``)."""
 
 
 def build_tokenizer() -> Qwen2TokenizerFast:
@@ -283,12 +272,8 @@ def noisy_label(count: int, task: TaskSpec) -> int:
 def pretrain(model, tokenizer, examples: list[Encoded], task: TaskSpec, train: TrainSpec) -> None:
     """Supervised pre-training on ``\\boxed{}`` answers (loss on the completion only), noisy at the end."""
     generator = torch.Generator().manual_seed(SEED + 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.learning_rate, weight_decay=train.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, train))
-    model.train()
-    start = time.perf_counter()
-    losses: list[float] = []
-    for step in range(train.steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         indices = torch.randint(len(examples), (train.batch_size,), generator=generator).tolist()
         correct = torch.rand(train.batch_size, generator=generator) < task.label_correct_probability
         if step < train.clean_steps:
@@ -312,22 +297,9 @@ def pretrain(model, tokenizer, examples: list[Encoded], task: TaskSpec, train: T
             use_cache=False,
             **model_vision_kwargs([e.vision for e in batch], "cpu", torch.float32),
         )
-        optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(output.loss.item())
-        if step % 100 == 0 or step == train.steps - 1:
-            logger.info(
-                "step %d/%d loss %.4f (mean of last 100 %.4f) (%.0f s)",
-                step,
-                train.steps,
-                losses[-1],
-                statistics.mean(losses[-100:]),
-                time.perf_counter() - start,
-            )
-    model.eval()
+        return output.loss
+
+    optimize(model, train, loss_at)
 
 
 # --------------------------------------------------------------------------------------------- evaluation
@@ -378,10 +350,10 @@ def evaluate(
 
 
 def main() -> None:
-    args = start_build(__doc__, TrainSpec, TaskSpec, SEED)
+    args = start_build(__doc__, TRAIN, TaskSpec, SEED)
     start = time.perf_counter()
     task = TaskSpec(label_correct_probability=args.label_correct_probability)
-    train = TrainSpec(clean_steps=args.clean_steps, noisy_steps=args.noisy_steps)
+    train = replace(TRAIN, clean_steps=args.clean_steps, noisy_steps=args.noisy_steps)
 
     data_dir = args.output_root / "shapes"
     rng = random.Random(SEED)
