@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -353,12 +354,7 @@ class Producer:
         lora = self.config.train.lora_rank > 0
         if lora:
             named_tensors = self._merge_adapters(named_tensors)
-        if self.engine is None:
-            self.backend.load_weights(named_tensors, partial=lora)
-        else:  # once the running rows finish (none admitted meanwhile); with partial rollouts between two steps
-            load = lambda: self.backend.load_weights(named_tensors, partial=lora)  # noqa: E731
-            self.engine.load_weights(load, policy_version, timeout_s=self.config.run.timeout_s)
-        self.policy_version = policy_version
+        self._load_at_a_safe_point(lambda: self.backend.load_weights(named_tensors, partial=lora), policy_version)
 
     def receive_weights_in_engine(self, policy_version: int) -> None:
         """The engine's workers receive sync ``policy_version`` themselves and load it (``--vllm-weight-receive``);
@@ -367,11 +363,17 @@ class Producer:
             raise ValueError(
                 f"producer {self.rank}: weights version {policy_version} is older than {self.policy_version}"
             )
-        receive = lambda: self.backend.receive_weights(policy_version, loaded_version=self.policy_version)  # noqa: E731
+        self._load_at_a_safe_point(
+            lambda: self.backend.receive_weights(policy_version, loaded_version=self.policy_version), policy_version
+        )
+
+    def _load_at_a_safe_point(self, load: Callable[[], None], policy_version: int) -> None:
+        """Run ``load`` and hold ``policy_version``. With continuous batching: once the running rows finish (none
+        admitted meanwhile), or, with partial rollouts, between two decode steps (``EngineService.load_weights``)."""
         if self.engine is None:
-            receive()
-        else:  # at a safe point, as load_weights
-            self.engine.load_weights(receive, policy_version, timeout_s=self.config.run.timeout_s)
+            load()
+        else:
+            self.engine.load_weights(load, policy_version, timeout_s=self.config.run.timeout_s)
         self.policy_version = policy_version
 
     def engine_paused(self) -> contextlib.AbstractContextManager:
