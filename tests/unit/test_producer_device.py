@@ -52,3 +52,34 @@ def test_a_producer_with_a_gpu_generates_on_it(monkeypatch):
 def test_the_generation_device_is_the_gpu_when_there_is_one(monkeypatch, cuda):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert transformers_backend.generation_device() == torch.device("cuda" if cuda else "cpu")
+
+
+def test_continuous_batching_and_its_mid_flight_re_prefill_stay_on_the_producers_gpu(monkeypatch):
+    """``--continuous-batching --partial-rollouts`` on the producer's GPU: admission, decoding and the re-prefill
+    after new weights (``take_new_weights``) feed the model inputs on its device (a host input raises here, as on a
+    GPU); the groups come back on the host, equal to a host run's (the same weights reloaded: the same tokens)."""
+    config = RLConfig()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(EMBEDDED_MODEL_DIR)))
+    greedy = SamplingSettings(temperature=1.0, max_new_tokens=8, greedy=True)
+
+    def decode(backend):
+        backend.model.config._attn_implementation = "eager"
+        batcher = backend.continuous_batcher(greedy, num_samples=2, max_rows=4)
+        texts = ("3+4=?", "12+30=?", "7+8=?")
+        ids = [batcher.submit(encode_prompt(backend.tokenizer, [{"role": "user", "content": t}])) for t in texts]
+        groups = batcher.step() + batcher.step() + batcher.step()
+        assert batcher.running_rows > 0
+        batcher.take_new_weights(1)  # the rows running now are re-prefilled from their tokens so far
+        groups = {group.request_id: group for group in groups + batcher.run()}
+        return [groups[i] for i in ids]
+
+    expected = decode(Producer._create_backend(config))
+    monkeypatch.setattr(transformers_backend, "generation_device", lambda: FAKE_DEVICE)
+    with FakeAccelerator():
+        got = decode(Producer._create_backend(config))
+    for mine, host in zip(got, expected, strict=True):
+        assert mine.response_ids.device.type == mine.logprobs.device.type == "cpu"
+        assert mine.response_ids.tolist() == host.response_ids.tolist()
+        torch.testing.assert_close(mine.logprobs, host.logprobs)
+        assert mine.token_versions.tolist() == host.token_versions.tolist()
+    assert any(1 in group.token_versions.tolist()[0] for group in got)  # a row did continue after the re-prefill
