@@ -1,0 +1,104 @@
+"""The one NCCL release both environments run, and the check that every weight-sync member runs it.
+
+Why this exists: the trainers' torch 2.5.1 (CUDA 12.4) brings NCCL 2.21.5; the GPU producers' torch 2.13 (the one
+``vllm`` 0.32 resolves to on the public index, a CUDA 13 build) brings NCCL 2.29.7. NCCL compares every peer's
+version when a communicator forms and refuses a mismatch ("Mismatched NCCL version detected"), and its bootstrap
+differs between those releases, so a weight-sync group mixing them fails or hangs at the first sync. The producers'
+release cannot go down (there is no CUDA 13 build of 2.21.5), so the trainers' side goes up: their GPU actors preload
+the CUDA 12 build of the producers' release (``trainer_nccl.py``), and both sides then run ``NCCL_RELEASE``.
+``tests/contract/test_nccl_release.py`` holds the resolved metadata of both environments to it.
+
+Before any NCCL group forms, every member reports the release its process has loaded through the group's store and
+a mismatch ends the run in one line naming both (``check_one_release``), instead of NCCL's hang or abort.
+
+Importing this module needs no torch; ``loaded_nccl_version`` imports it when called.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+NCCL_RELEASE = "2.29.7"
+"""The NCCL release every NCCL weight-sync member runs: what ``vllm`` 0.32.0's torch 2.13 (CUDA 13) pins."""
+PRODUCER_NCCL_PACKAGE = "nvidia-nccl-cu13"
+"""The producers' NCCL wheel (pinned by their torch; ``producer_env_constraints_gpu.txt`` holds the resolved set)."""
+TRAINER_NCCL_PACKAGE = "nvidia-nccl-cu12"
+"""The trainers' NCCL wheel: the CUDA 12 build (their torch 2.5.1 is CUDA 12.4) of the same release."""
+TRAINER_BASE_NCCL = "2.21.5"
+"""What torch 2.5.1 itself pins (``nvidia-nccl-cu12==2.21.5``): the release the preload replaces."""
+
+
+class NcclVersionMismatchError(RuntimeError):
+    """Members of one NCCL group run different NCCL releases: the communicator would fail or hang."""
+
+
+def version_string(version: int | tuple[int, ...] | str) -> str:
+    """``2.29.7`` from ``(2, 29, 7)``, from NCCL's version code (``22907``; ``2907`` before 2.9) or from a string."""
+    if isinstance(version, str):
+        return version
+    if isinstance(version, tuple):
+        return ".".join(str(part) for part in version)
+    if version >= 10000:  # NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z since 2.9
+        return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+    return f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
+
+
+def loaded_nccl_version() -> str | None:
+    """The NCCL release this process's torch uses (``ncclGetVersion`` of the library it loaded; no GPU needed);
+    None for a torch built without NCCL (CPU builds)."""
+    import torch
+
+    if not torch.distributed.is_nccl_available():
+        return None
+    try:
+        return version_string(torch.cuda.nccl.version())
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def library_version(path: str | Path) -> str:
+    """The release of the NCCL library at ``path``, asked of the library itself (``ncclGetVersion``; no GPU)."""
+    library = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    code = ctypes.c_int()
+    if library.ncclGetVersion(ctypes.byref(code)) != 0:
+        raise RuntimeError(f"ncclGetVersion failed in {path}")
+    return version_string(code.value)
+
+
+def check_one_release(reports: Mapping[int, tuple[str, str | None]], *, group: str) -> None:
+    """``reports[rank] = (who, release)`` of every member of NCCL group ``group``: raise
+    ``NcclVersionMismatchError`` in one line naming the first two members that differ (or a member without NCCL)."""
+    ranks = sorted(reports)
+    first_who, first_release = reports[ranks[0]]
+    for rank in ranks:
+        who, release = reports[rank]
+        if release is None:
+            raise NcclVersionMismatchError(
+                f"weight-sync group {group!r}: rank {rank} ({who}) has no NCCL (a CPU torch) but the group is NCCL; "
+                f"every member needs NCCL {NCCL_RELEASE}"
+            )
+        if release != first_release:
+            raise NcclVersionMismatchError(
+                f"weight-sync group {group!r}: NCCL {first_release} on rank {ranks[0]} ({first_who}) but NCCL "
+                f"{release} on rank {rank} ({who}); both sides must run NCCL {NCCL_RELEASE} (README: 'GPU machines')"
+            )
+
+
+def exchange_releases(
+    store: Any, *, rank: int, world_size: int, who: str, release: str | None, timeout_s: float
+) -> dict[int, tuple[str, str | None]]:
+    """Publish this member's ``(who, release)`` in the group's ``store`` and read every member's (each waits at
+    most ``timeout_s`` for the others' keys); the reports, by rank."""
+    store.set(f"nccl_release/{rank}", json.dumps([who, release]))
+    keys = [f"nccl_release/{member}" for member in range(world_size)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    reports = {}
+    for member, key in enumerate(keys):
+        member_who, member_release = json.loads(store.get(key))
+        reports[member] = (member_who, member_release)
+    return reports
