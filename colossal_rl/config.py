@@ -48,7 +48,7 @@ AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 WeightSyncBackend = Literal["torch", "ray_nccl"]
 WeightReceive = Literal["auto", "workers", "producer"]
 SequenceLayout = Literal["auto", "padded", "packed", "shared_prompt"]
-WeightSyncMode = Literal["broadcast", "shm", "files"]
+WeightSyncMode = Literal["auto", "broadcast", "shm", "files"]
 DEPRECATED_VALUES: dict[str, dict[str, str]] = {
     "run.weight_sync_mode": {"checkpoint": "files"},  # "checkpoint" now means a run checkpoint only
 }
@@ -611,9 +611,10 @@ class RunConfig:
     """Group carrying the trainer-to-producer weight sync (``comm/weight_sync/transports.py``). ``torch``: torch's own
     process group over a standalone TCPStore, gloo for CPU weights and ProcessGroupNCCL for GPU weights.
     ``ray_nccl``: Ray's cupy-based NCCL collective group (GPUs only, needs cupy: the ``gpu`` extra)."""
-    weight_sync_mode: WeightSyncMode = "broadcast"
-    """How new weights reach the producers (``comm/weight_sync/modes.py``). ``broadcast``: the collective group
-    above. ``shm``: producers on the sending trainer's host read them from double-buffered shared memory
+    weight_sync_mode: WeightSyncMode = "auto"
+    """How new weights reach the producers (``comm/weight_sync/modes.py``). ``auto``: ``shm`` when the actors run on
+    GPUs (producers on the sender's node then need no NCCL at all: README, "Running on GPUs"), ``broadcast`` on CPUs;
+    resolved at launch and saved so in the run's ``config.yaml``. ``broadcast``: the collective group above. ``shm``: producers on the sending trainer's host read them from double-buffered shared memory
     (``/dev/shm``), producers on other hosts keep the broadcast. ``files``: the trainer writes a
     safetensors file per sync (atomically) into the run directory and producers load it: no collective.
     (``checkpoint``, its old name, is still accepted, with a warning.)"""
@@ -636,9 +637,9 @@ class RunConfig:
             f"must be torch or ray_nccl, got {self.weight_sync_backend!r}",
         )
         _require(
-            self.weight_sync_mode in ("broadcast", "shm", "files"),
+            self.weight_sync_mode in ("auto", "broadcast", "shm", "files"),
             "run.weight_sync_mode",
-            f"must be broadcast, shm or files, got {self.weight_sync_mode!r}",
+            f"must be auto, broadcast, shm or files, got {self.weight_sync_mode!r}",
         )
         _require(self.master_port is None or 0 < self.master_port < 65536, "run.master_port", "must be in 1..65535")
 
@@ -870,6 +871,16 @@ def resolve_precision(precision: PrecisionChoice, *, on_gpu: bool) -> Precision:
     if precision != "auto":
         return precision
     return "bf16" if on_gpu else "fp32"
+
+
+def resolve_weight_sync_mode(mode: WeightSyncMode, *, on_gpu: bool) -> WeightSyncMode:
+    """``auto`` -> ``shm`` on GPUs: producers on the sending trainer's node read host-staged weights and join no NCCL
+    group (no NCCL release to agree on between the trainers' and the producers' environments, no second rank on a
+    GPU, 3.4-7.7x the broadcast on CPU); producers on other nodes still get the broadcast. ``broadcast`` on CPUs
+    (unchanged behaviour). Any other value is returned as is."""
+    if mode != "auto":
+        return mode
+    return "shm" if on_gpu else "broadcast"
 
 
 def _require_low_precision_for_flash_attention(config: RLConfig) -> None:

@@ -40,7 +40,11 @@ from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.local_ray import shutdown_local_ray
 from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
 from colossal_rl.pending_calls import PendingCalls
-from colossal_rl.placement import check_transport_for_cluster, resolve_precision_for_cluster
+from colossal_rl.placement import (
+    check_transport_for_cluster,
+    resolve_precision_for_cluster,
+    resolve_sync_mode_for_cluster,
+)
 from colossal_rl.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.rollout.eval_result import aggregate_eval
@@ -181,6 +185,7 @@ class Driver:
         self.train_rows: int | None = None
         """Training prompts the producers hold (over-long ones left out): what the round count is made of."""
         check_transport_for_cluster(config.run.weight_sync_backend, ray.nodes())  # before any actor starts
+        config = resolve_sync_mode_for_cluster(config, ray.nodes())  # resolved already by run_training; tests
         self.config = config
         self.run_dir = run_dir
         self.metrics = metrics
@@ -563,6 +568,9 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         if config.parallel.precision == "auto":  # the device decides; config.yaml holds what was chosen
             config = resolve_precision_for_cluster(config, ray.nodes())
             logger.info("training precision %s (--precision auto)", config.parallel.precision)
+        if config.run.weight_sync_mode == "auto":  # shm on GPUs: README, "Running on GPUs"
+            config = resolve_sync_mode_for_cluster(config, ray.nodes())
+            logger.info("weight sync mode %s (--weight-sync-mode auto)", config.run.weight_sync_mode)
         (run_dir / CONFIG_FILE).write_text(config_to_yaml(config), encoding="utf-8")  # --config takes it back
         with startup.record("metrics"):
             metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)

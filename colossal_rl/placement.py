@@ -17,6 +17,7 @@ GPUs and Ray may place them elsewhere rather than wait (a CPU actor only needs a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -161,6 +162,16 @@ def resolve_precision_for_cluster(config: RLConfig, ray_nodes: Iterable[Mapping[
         return with_device_precision(config, on_gpu=trainers_use_gpus(ray_nodes))
     except ConfigError as error:
         raise PlacementError(f"{flag_for(error.field_path)}: {error.message}") from None
+
+
+def resolve_sync_mode_for_cluster(config: RLConfig, ray_nodes: Iterable[Mapping[str, Any]]) -> RLConfig:
+    """``config`` with ``--weight-sync-mode auto`` resolved for this cluster (``config.resolve_weight_sync_mode``)."""
+    from colossal_rl.config import resolve_weight_sync_mode
+
+    mode = resolve_weight_sync_mode(config.run.weight_sync_mode, on_gpu=trainers_use_gpus(ray_nodes))
+    if mode == config.run.weight_sync_mode:
+        return config
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, weight_sync_mode=mode))
 
 
 GPU_ONLY_TRANSPORTS = frozenset({"ray_nccl"})

@@ -37,7 +37,7 @@ def test_the_old_name_becomes_files_with_one_warning(caplog):
     ]
 
 
-@pytest.mark.parametrize("mode", ["broadcast", "shm", "files"])
+@pytest.mark.parametrize("mode", ["auto", "broadcast", "shm", "files"])
 def test_current_names_pass_unchanged_and_silently(mode, caplog):
     with caplog.at_level(logging.WARNING):
         assert RLConfig(run=RunConfig(weight_sync_mode=mode)).validate().run.weight_sync_mode == mode
@@ -49,7 +49,7 @@ def test_the_flag_takes_the_old_name_with_one_warning_and_offers_only_the_new(ca
     with caplog.at_level(logging.WARNING):
         config = config_from_args(parse_args(["--weight-sync-mode", "checkpoint"]))
     assert config.run.weight_sync_mode == "files" and len(deprecation_warnings(caplog)) == 1
-    assert "{broadcast,shm,files}" in build_parser().format_help()
+    assert "{auto,broadcast,shm,files}" in build_parser().format_help()
 
 
 def test_an_old_runs_config_file_still_resumes_with_files(tmp_path, caplog):
@@ -60,7 +60,7 @@ def test_an_old_runs_config_file_still_resumes_with_files(tmp_path, caplog):
     old = config_as_json(saved)
     old["run"]["weight_sync_mode"] = "checkpoint"
     config_yaml = tmp_path / "config.yaml"
-    config_yaml.write_text(config_to_yaml(saved).replace("weight_sync_mode: broadcast", "weight_sync_mode: checkpoint"))
+    config_yaml.write_text(config_to_yaml(saved).replace("weight_sync_mode: auto", "weight_sync_mode: checkpoint"))
     staging = ckpt.staging_dir(tmp_path / "checkpoints", 2)
     (staging / "trainer").mkdir()
     state = ckpt.RunState(progress=ckpt.RunProgress(step=2), run_dir=str(tmp_path), config=old)
@@ -78,16 +78,39 @@ def test_a_wrong_mode_is_refused_naming_the_field(tmp_path, capsys):
     with pytest.raises(ConfigError) as caught:
         RunConfig(weight_sync_mode="disk").validate()  # type: ignore[arg-type]
     assert caught.value.field_path == "run.weight_sync_mode"
-    assert str(caught.value) == "run.weight_sync_mode: must be broadcast, shm or files, got 'disk'"
+    assert str(caught.value) == "run.weight_sync_mode: must be auto, broadcast, shm or files, got 'disk'"
 
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  weight_sync_mode: disk\n")
     with pytest.raises(UsageError) as caught_file:
         config_from_args(parse_args(["--config", str(path)]))
-    assert "run.weight_sync_mode / --weight-sync-mode: must be one of broadcast, shm, files, got 'disk'" in str(
+    assert "run.weight_sync_mode / --weight-sync-mode: must be one of auto, broadcast, shm, files, got 'disk'" in str(
         caught_file.value
     )
 
     with pytest.raises(SystemExit):
         parse_args(["--weight-sync-mode", "disk"])
     assert "--weight-sync-mode: invalid choice: 'disk'" in capsys.readouterr().err
+
+
+def test_auto_is_shm_on_gpu_clusters_and_broadcast_on_cpu_ones():
+    """Producers on the sender's GPU node need no NCCL group with the trainers (README, "Running on GPUs")."""
+    from colossal_rl.config import resolve_weight_sync_mode
+    from colossal_rl.placement import resolve_sync_mode_for_cluster
+
+    assert resolve_weight_sync_mode("auto", on_gpu=True) == "shm"
+    assert resolve_weight_sync_mode("auto", on_gpu=False) == "broadcast"
+    assert resolve_weight_sync_mode("files", on_gpu=True) == "files"  # a choice is kept
+    node = {"NodeID": "n0", "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8.0}}
+    gpu_node = node | {"Resources": {"CPU": 8.0, "GPU": 8.0}}
+    assert RLConfig().run.weight_sync_mode == "auto"
+    assert resolve_sync_mode_for_cluster(RLConfig(), [gpu_node]).run.weight_sync_mode == "shm"
+    assert resolve_sync_mode_for_cluster(RLConfig(), [node]).run.weight_sync_mode == "broadcast"
+
+
+def test_an_unresolved_auto_is_never_planned():
+    from colossal_rl.comm.weight_sync.modes import plan_routes
+
+    with pytest.raises(ValueError, match="got 'auto'"):
+        plan_routes("auto", sender_nodes=["a"], producer_nodes=["a"], addresses=[("127.0.0.1", 1)], run_dir=".",
+                    formation=1)  # fmt: skip

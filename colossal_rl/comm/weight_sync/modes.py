@@ -98,6 +98,8 @@ def plan_routes(
 
     ``receivers_per_producer``: how many processes of each producer receive (default 1; a vLLM producer whose
     engine workers receive themselves: its tensor-parallel size). Each gets a broadcast rank of its own."""
+    if mode not in ("broadcast", "shm", "files"):  # "auto" is resolved at launch (placement.py), never planned
+        raise ValueError(f"weight-sync mode must be broadcast, shm or files here, got {mode!r}")
     if len(sender_nodes) != len(addresses):
         raise ValueError(f"{len(sender_nodes)} sender nodes but {len(addresses)} broadcast addresses")
     members = list(receivers_per_producer) if receivers_per_producer is not None else [1] * len(producer_nodes)
