@@ -609,7 +609,21 @@ def environment(copy: Path, work: Path) -> dict[str, str]:
     env["MUTATION_CHECK_REPORT"] = str(work / "report.jsonl")
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("WANDB_MODE", "disabled")
+    producer_python = built_producer_python()
+    if producer_python is not None:
+        env.setdefault("COLOSSAL_RL_PRODUCER_PYTHON", producer_python)
     return env
+
+
+def built_producer_python() -> str | None:
+    """The producers' environment already built for this checkout, if any. A copy is another checkout, so its vLLM
+    tests would otherwise build a fresh environment (minutes) around a temporary directory that is then deleted;
+    with the copy first on ``PYTHONPATH`` this one runs the copy's code."""
+    from colossal_rl.producer_env import detect_kind, env_dir, env_python, is_complete, spec_for
+
+    spec = spec_for(detect_kind(), root=REPO)
+    directory = env_dir(spec)
+    return str(env_python(directory)) if is_complete(directory, spec) else None
 
 
 def check_imports_from(copy: Path, env: dict[str, str]) -> None:
