@@ -417,7 +417,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         name="nccl_sync_trusts_work_wait",
         why="an NCCL weight-sync collective is waited with Work.wait(timeout), which returns at once: no timeout",
         path="colossal_rl/comm/process_group.py",
-        old='        if self.backend == "nccl":\n            self._poll(work, what)\n',
+        old='        if self.backend == "nccl":\n            self._poll(work, what, self._clock() if enqueued is None else enqueued)\n',
         new="",
         tests=(
             "tests/unit/test_collective_timeouts.py::"
