@@ -417,7 +417,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         name="nccl_sync_trusts_work_wait",
         why="an NCCL weight-sync collective is waited with Work.wait(timeout), which returns at once: no timeout",
         path="colossal_rl/comm/process_group.py",
-        old='        if self.backend == "nccl":\n            self._poll(work, what)\n',
+        old='        if self.backend == "nccl":\n            self._poll(work, what, self._clock() if enqueued is None else enqueued)\n',
         new="",
         tests=(
             "tests/unit/test_collective_timeouts.py::"
@@ -506,6 +506,71 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="last_round = round_index == rounds - 1",
         tests=("tests/e2e/test_e2e_cpu.py::test_driver_syncs_weights_and_drops_stale_batches",),
     ),
+    # issue 44: NCCL abort, watchdog order, eager communicator
+    Mutation(
+        name="nccl_abort_only_torch25",
+        why="a timed-out NCCL sync calls only torch 2.5's _shutdown: in torch 2.13 (vLLM workers) the kernel spins on",
+        path="colossal_rl/comm/process_group.py",
+        old='ABORT_METHODS = ("abort", "_shutdown", "shutdown")\n',
+        new='ABORT_METHODS = ("_shutdown",)\n',
+        tests=(
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_a_timed_out_broadcast_aborts_with_what_the_torch_offers[abort-abort]",
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_a_timed_out_broadcast_aborts_with_what_the_torch_offers[abort+shutdown-abort]",
+            "tests/vllm_engine/test_nccl_abort_torch213.py::test_torch_2_13_offers_the_abort_the_group_picks",
+        ),
+    ),
+    Mutation(
+        name="nccl_watchdog_fires_with_our_deadline",
+        why="NCCL's watchdog gets our deadline itself: it may end the process before our abort raises",
+        path="colossal_rl/comm/process_group.py",
+        old="options._timeout = timeout + datetime.timedelta(seconds=WATCHDOG_GRACE_S)",
+        new="options._timeout = timeout",
+        tests=(
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_our_deadline_aborts_before_the_watchdog_counting_both_from_the_enqueue",
+        ),
+    ),
+    Mutation(
+        name="nccl_deadline_counts_from_the_wait",
+        why="our NCCL deadline counts from the wait, the watchdog's from the enqueue: a late wait lets it fire first",
+        path="colossal_rl/comm/process_group.py",
+        old="self._poll(work, what, self._clock() if enqueued is None else enqueued)",
+        new="self._poll(work, what, self._clock())",
+        tests=(
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_our_deadline_aborts_before_the_watchdog_counting_both_from_the_enqueue",
+        ),
+    ),
+    Mutation(
+        name="nccl_communicator_formed_lazily",
+        why="the NCCL communicator forms inside the first broadcast, blocking with no deadline (a wedged vLLM worker)",
+        path="colossal_rl/comm/process_group.py",
+        old="    _form_communicator(process_group, device=device, timeout_s=timeout.total_seconds(), name=name, clock=clock)\n",
+        new="",
+        tests=(
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_a_communicator_that_never_forms_fails_group_creation_within_the_deadline[StalledBootstrap]",
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_a_communicator_that_never_forms_fails_group_creation_within_the_deadline[WarmUpNeverCompletes]",
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_the_communicator_forms_at_creation_with_one_element_on_the_members_device",
+        ),
+    ),
+    Mutation(
+        name="nccl_releases_unchecked",
+        why="an NCCL group forms without comparing its members' NCCL releases: NCCL's own hang or abort instead",
+        path="colossal_rl/comm/process_group.py",
+        old='        if backend == "nccl":\n            _check_nccl_releases(\n',
+        new="        if False:\n            _check_nccl_releases(\n",
+        tests=(
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_creating_an_nccl_group_checks_releases_before_building_the_process_group",
+            "tests/unit/test_nccl_group_lifecycle.py::"
+            "test_an_nccl_group_is_built_once_every_member_has_reported_its_release",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
@@ -544,7 +609,21 @@ def environment(copy: Path, work: Path) -> dict[str, str]:
     env["MUTATION_CHECK_REPORT"] = str(work / "report.jsonl")
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.setdefault("WANDB_MODE", "disabled")
+    producer_python = built_producer_python()
+    if producer_python is not None:
+        env.setdefault("COLOSSAL_RL_PRODUCER_PYTHON", producer_python)
     return env
+
+
+def built_producer_python() -> str | None:
+    """The producers' environment already built for this checkout, if any. A copy is another checkout, so its vLLM
+    tests would otherwise build a fresh environment (minutes) around a temporary directory that is then deleted;
+    with the copy first on ``PYTHONPATH`` this one runs the copy's code."""
+    from colossal_rl.producer_env import detect_kind, env_dir, env_python, is_complete, spec_for
+
+    spec = spec_for(detect_kind(), root=REPO)
+    directory = env_dir(spec)
+    return str(env_python(directory)) if is_complete(directory, spec) else None
 
 
 def check_imports_from(copy: Path, env: dict[str, str]) -> None:
