@@ -571,6 +571,100 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_an_nccl_group_is_built_once_every_member_has_reported_its_release",
         ),
     ),
+    # issue 44: one NCCL release by construction, the CUDA 13 driver, a CPU torch in the GPU build, same-node shm
+    Mutation(
+        name="trainers_skip_the_nccl_preload",
+        why="the trainers' actors keep torch 2.5.1's NCCL 2.21.5 on GPUs: no communicator with the producers' 2.29.7",
+        path="colossal_rl/actor_groups.py",
+        old="    trainer_env = trainer_runtime_env(on_gpu)\n",
+        new="    trainer_env = {}\n",
+        tests=(
+            "tests/unit/test_nccl_release.py::test_on_gpus_trainers_and_transformers_producers_preload_the_same_nccl",
+            "tests/unit/test_nccl_release.py::test_vllm_producers_run_their_own_nccl_never_the_trainers_preload",
+        ),
+    ),
+    Mutation(
+        name="vllm_producers_get_the_trainers_preload",
+        why="vLLM producers (torch 2.13, CUDA 13) start with the trainers' CUDA 12 NCCL preloaded",
+        path="colossal_rl/actor_groups.py",
+        old='    return trainer_env, (producer_env if backend == "vllm" else trainer_env)\n',
+        new="    return trainer_env, trainer_env\n",
+        tests=("tests/unit/test_nccl_release.py::test_vllm_producers_run_their_own_nccl_never_the_trainers_preload",),
+    ),
+    Mutation(
+        name="nccl_release_read_from_the_compiled_number",
+        why="torch.cuda.nccl.version() is torch 2.5.1's compiled-in 2.21.5: the preload's 2.29.7 is never seen",
+        path="colossal_rl/comm/nccl_release.py",
+        old="        library = ctypes.CDLL(NCCL_SONAME, mode=os.RTLD_NOLOAD)\n",
+        new="        raise OSError\n",
+        tests=(
+            "tests/contract/test_nccl_release.py::test_under_the_preload_the_trainers_torch_calls_the_producers_release",
+        ),
+    ),
+    Mutation(
+        name="producer_nccl_left_to_vllms_torch",
+        why="the GPU producer build no longer pins NCCL: a vLLM bump moves the release away from the trainers' silently",
+        path="colossal_rl/producer_env.py",
+        old=', f"{PRODUCER_NCCL_PACKAGE}=={NCCL_RELEASE}"),',
+        new="),",
+        tests=(
+            "tests/contract/test_nccl_release.py::test_the_producers_resolved_set_runs_the_release_and_the_trainers_torch_another",
+        ),
+    ),
+    Mutation(
+        name="gpu_build_takes_a_local_cpu_torch",
+        why="the GPU producer build's constraints let a local torch-2.13.0+cpu wheel satisfy torch==2.13.0",
+        path="colossal_rl/producer_env_constraints_gpu.txt",
+        old="\ntorch!=2.13.0+cpu\n",
+        new="\n",
+        tests=(
+            "tests/contract/test_nccl_release.py::test_the_producers_resolved_set_runs_the_release_and_the_trainers_torch_another",
+            "tests/contract/test_nccl_release.py::test_the_gpu_build_resolves_the_cuda_torch_that_pins_the_release",
+        ),
+    ),
+    Mutation(
+        name="cpu_torch_accepted_as_gpu_producers",
+        why="the GPU self-check accepts a CPU torch: producers generate on the CPU of a GPU machine, without a word",
+        path="colossal_rl/producer_env.py",
+        old="    if cuda_version is None:\n",
+        new="    if False:\n",
+        tests=(
+            "tests/unit/test_gpu_driver.py::test_a_gpu_environment_with_a_cpu_torch_is_refused_in_one_line",
+            "tests/vllm_engine/test_producer_env_checks.py::"
+            "test_a_gpu_self_check_of_an_environment_holding_a_cpu_torch_fails_in_one_line",
+        ),
+    ),
+    Mutation(
+        name="cuda_12_driver_accepted",
+        why="a driver older than r580 passes: the CUDA 13 torch sees no GPU and vLLM falls back to the CPU",
+        path="colossal_rl/nvidia_driver.py",
+        old="    if major_minor < MIN_DRIVER_FOR_CUDA_13:\n",
+        new="    if major_minor < (525, 0):\n",
+        tests=(
+            "tests/unit/test_gpu_driver.py::test_a_driver_older_than_r580_is_refused_in_one_line_naming_it[550.54.15]",
+            "tests/unit/test_gpu_driver.py::test_building_gpu_producers_on_an_old_driver_stops_before_any_build_step",
+        ),
+    ),
+    Mutation(
+        name="gpu_producers_built_without_a_driver_check",
+        why="GPU producers are built and started without reading the driver",
+        path="colossal_rl/producer_env.py",
+        old='    if kind == "gpu":\n        check_gpu_driver()\n',
+        new="",
+        tests=(
+            "tests/unit/test_gpu_driver.py::test_building_gpu_producers_on_an_old_driver_stops_before_any_build_step",
+        ),
+    ),
+    Mutation(
+        name="auto_sync_mode_broadcasts_on_gpus",
+        why="same-node GPU producers join an NCCL group with the trainers instead of reading shm",
+        path="colossal_rl/config.py",
+        old='    return "shm" if on_gpu else "broadcast"\n',
+        new='    return "broadcast"\n',
+        tests=(
+            "tests/unit/test_weight_sync_mode_alias.py::test_auto_is_shm_on_gpu_clusters_and_broadcast_on_cpu_ones",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
