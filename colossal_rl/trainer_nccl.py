@@ -12,7 +12,7 @@ soname, and the dynamic linker reuses the library already loaded. ColossalAI's o
 Ray's cupy group (cupy binds the ``libnccl.so.2`` its process has) then run that release too. The CUDA 12 build rather
 than the producers' own CUDA 13 file: it matches the trainers' CUDA 12.4 runtime. Measured on CPU (no GPU needed to
 load a library): under the preload, ``ncclGetVersion`` in torch 2.5.1's process answers 2.29.7, without it 2.21.5
-(``tests/contract/test_nccl_release.py``). Whether that NCCL then forms a communicator with the producers' is a GPU
+(``tests/contract/test_nccl_release_wheels.py``). Whether that NCCL then forms a communicator with the producers' is a GPU
 check (``tests/gpu/``): written, not run on a GPU.
 
 ``COLOSSAL_RL_TRAINER_NCCL=<path to libnccl.so.2>`` uses a library already present instead (a cluster's shared

@@ -598,7 +598,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         old="        library = ctypes.CDLL(NCCL_SONAME, mode=os.RTLD_NOLOAD)\n",
         new="        raise OSError\n",
         tests=(
-            "tests/contract/test_nccl_release.py::test_under_the_preload_the_trainers_torch_calls_the_producers_release",
+            "tests/contract/test_nccl_release_wheels.py::test_under_the_preload_the_trainers_torch_calls_the_producers_release",
         ),
     ),
     Mutation(
@@ -608,7 +608,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         old=', f"{PRODUCER_NCCL_PACKAGE}=={NCCL_RELEASE}"),',
         new="),",
         tests=(
-            "tests/contract/test_nccl_release.py::test_the_producers_resolved_set_runs_the_release_and_the_trainers_torch_another",
+            "tests/contract/test_nccl_release_wheels.py::test_the_producers_resolved_set_runs_the_release_and_the_trainers_torch_another",
         ),
     ),
     Mutation(
@@ -618,8 +618,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         old="\ntorch!=2.13.0+cpu\n",
         new="\n",
         tests=(
-            "tests/contract/test_nccl_release.py::test_the_producers_resolved_set_runs_the_release_and_the_trainers_torch_another",
-            "tests/contract/test_nccl_release.py::test_the_gpu_build_resolves_the_cuda_torch_that_pins_the_release",
+            "tests/contract/test_nccl_release_wheels.py::test_the_producers_resolved_set_runs_the_release_and_the_trainers_torch_another",
+            "tests/contract/test_nccl_release_wheels.py::test_the_gpu_build_resolves_the_cuda_torch_that_pins_the_release",
         ),
     ),
     Mutation(

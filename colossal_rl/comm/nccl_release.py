@@ -6,7 +6,7 @@ version when a communicator forms and refuses a mismatch ("Mismatched NCCL versi
 differs between those releases, so a weight-sync group mixing them fails or hangs at the first sync. The producers'
 release cannot go down (there is no CUDA 13 build of 2.21.5), so the trainers' side goes up: their GPU actors preload
 the CUDA 12 build of the producers' release (``trainer_nccl.py``), and both sides then run ``NCCL_RELEASE``.
-``tests/contract/test_nccl_release.py`` holds the resolved metadata of both environments to it.
+``tests/contract/test_nccl_release_wheels.py`` holds the resolved metadata of both environments to it.
 
 Before any NCCL group forms, every member reports the release its process has loaded through the group's store and
 a mismatch ends the run in one line naming both (``check_one_release``), instead of NCCL's hang or abort.
