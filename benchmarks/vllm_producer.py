@@ -94,6 +94,7 @@ def send_syncs(ports: tuple[int, int], model_dir: str, reps: int) -> None:
     receiver, then the engine's worker) and sends ``reps`` versions on each, alternating."""
     from safetensors.torch import load_file
 
+    from colossal_rl.comm.process_group import default_device
     from colossal_rl.comm.weight_sync.bucketed import host_as_sender
     from colossal_rl.comm.weight_sync.stages import stage_group_name
 
@@ -107,6 +108,7 @@ def send_syncs(ports: tuple[int, int], model_dir: str, reps: int) -> None:
             timeout_s=300.0,
             transport="torch",
             name=stage_group_name(0),
+            device=default_device(),  # the engine's worker joins on default_device() too: one backend per group
         )
         for port in ports
     ]
@@ -127,7 +129,7 @@ def sync_cost(model_dir: str, reps: int) -> None:
     the receive call to the reloaded weights; the sender has the next version packed by then."""
     import multiprocessing
 
-    from colossal_rl.comm.process_group import find_free_port
+    from colossal_rl.comm.process_group import default_device, find_free_port
     from colossal_rl.comm.weight_sync.bucketed import join_as_receiver
     from colossal_rl.comm.weight_sync.modes import plan_routes
     from colossal_rl.comm.weight_sync.stages import stage_group_name
@@ -141,7 +143,7 @@ def sync_cost(model_dir: str, reps: int) -> None:
     sender = multiprocessing.get_context("spawn").Process(target=send_syncs, args=(ports, model_dir, reps))
     sender.start()
     receiver = join_as_receiver(host="127.0.0.1", port=ports[0], rank=1, world_size=2, timeout_s=300.0,
-                                transport="torch", name=stage_group_name(0))  # fmt: skip
+                                transport="torch", name=stage_group_name(0), device=default_device())  # fmt: skip
     _, routes = plan_routes("broadcast", sender_nodes=["here"], producer_nodes=["here"],
                             addresses=[("127.0.0.1", ports[1])], run_dir=".", formation=1)  # fmt: skip
     backend.join_weight_sync(routes[0], timeout_s=300.0, transport="torch")

@@ -153,7 +153,8 @@ class VllmEngineConfig:
 
     gpu_memory_utilization: float = 0.7
     """Share of each producer GPU vLLM may take for weights and KV cache; the rest holds the weight-sync
-    receive buffers (one more copy of the weights) and CUDA overheads."""
+    receive buffers (one more, unsharded copy of the weights on every GPU whose process receives: with
+    ``weight_receive`` workers, every tensor-parallel GPU; the join refuses if it does not fit) and CUDA overheads."""
     enforce_eager: bool = True
     """Run without CUDA graphs: slower decoding, but no graph-capture time or memory at start-up."""
     enable_chunked_prefill: bool = True

@@ -665,6 +665,29 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_weight_sync_mode_alias.py::test_auto_is_shm_on_gpu_clusters_and_broadcast_on_cpu_ones",
         ),
     ),
+    # issue 44: one sync device, receive budget
+    Mutation(
+        name="engine_test_sender_on_cpu",
+        why="the engine test's in-process sender joins on cpu (gloo) while vLLM's workers join on cuda (NCCL): a hang",
+        path="tests/vllm_engine/engine_checks.py",
+        old="                              device=default_device())  # fmt: skip",
+        new='                              device="cpu")  # fmt: skip',
+        tests=(
+            "tests/unit/test_weight_sync_device.py::"
+            "test_the_engine_tests_sender_and_the_vllm_workers_join_over_one_backend[cuda_pretended]",
+        ),
+    ),
+    Mutation(
+        name="worker_receives_beyond_vllm_budget",
+        why="each vLLM worker allocates an unsharded copy of the weights uncounted: out of memory at the first sync",
+        path="colossal_rl/rollout/vllm_worker.py",
+        old="before_allocating=vllm_worker_receive.receive_budget_check(self, device),",
+        new="before_allocating=None,",
+        tests=(
+            "tests/unit/test_vllm_worker_receive.py::"
+            "test_a_gpu_workers_join_refuses_buffers_that_do_not_fit_before_allocating_them",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -96,7 +96,12 @@ def device_for_backend(backend: Backend) -> str:
 
 
 def default_device() -> str:
-    """The device a weight-sync member uses: its GPU if it has one (Ray gives GPU actors their GPUs)."""
+    """The device every weight-sync member uses: its GPU if it has one (Ray gives GPU actors their GPUs).
+
+    The one place that decides it, for the sender (a trainer, or a test's in-process sender) and every receiver (a
+    producer, or each vLLM worker): the wire backend follows the device (``backend_for_device``), so a sender on
+    ``cpu`` (gloo) and a receiver on ``cuda`` (NCCL) would join one group with two backends and wait out the
+    timeout. Take the device from here on both sides rather than passing ``"cpu"`` or relying on a default."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

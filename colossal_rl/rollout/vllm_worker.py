@@ -29,12 +29,19 @@ class WeightLoaderExtension:
 
     def colossal_rl_join_weight_sync(self, routes: list[dict[str, Any]], timeout_s: float, transport: str) -> None:
         """Join every pipeline stage's weight sync as this worker's member of the producer's routes (collective
-        with the sender); a group joined before (the sync formed again) is left first."""
+        with the sender); a group joined before (the sync formed again) is left first. On a GPU, refuses in one line
+        receive buffers that do not fit beside vLLM's memory budget (``vllm_worker_receive.receive_budget_check``)."""
         from colossal_rl.comm.process_group import default_device
 
         self.colossal_rl_leave_weight_sync()
+        device = default_device()
         self._colossal_rl_receivers = vllm_worker_receive.open_worker_receivers(
-            routes, member=self.rank, timeout_s=timeout_s, transport=transport, device=default_device()
+            routes,
+            member=self.rank,
+            timeout_s=timeout_s,
+            transport=transport,
+            device=device,
+            before_allocating=vllm_worker_receive.receive_budget_check(self, device),
         )
 
     def colossal_rl_receive_weights(

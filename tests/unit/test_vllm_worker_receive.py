@@ -7,18 +7,26 @@ take this path is ``RLConfig.engine_workers_receive_weights``; the real engine i
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 from process_members import run_members
 
-from colossal_rl.comm.process_group import find_free_port
-from colossal_rl.comm.weight_sync.bucketed import host_as_sender
+from colossal_rl.comm.process_group import create_standalone_group, find_free_port
+from colossal_rl.comm.weight_sync.bucketed import WeightLayout, host_as_sender, receive_buffer_bytes
 from colossal_rl.comm.weight_sync.modes import plan_routes
 from colossal_rl.comm.weight_sync.stages import stage_group_name
+from colossal_rl.comm.weight_sync.transports import WEIGHT_SYNC_TRANSPORTS
 from colossal_rl.config import ConfigError, GenerationConfig, RLConfig, RunConfig, TrainConfig, VllmEngineConfig
 from colossal_rl.rollout.vllm_worker import WeightLoaderExtension
-from colossal_rl.rollout.vllm_worker_receive import routes_from_messages, routes_to_messages
+from colossal_rl.rollout.vllm_worker_receive import (
+    receive_budget_check,
+    receive_budget_refusal,
+    routes_from_messages,
+    routes_to_messages,
+)
 
 TIMEOUT_S = 30.0
 
@@ -155,3 +163,103 @@ def test_workers_receiving_where_they_cannot_is_refused_naming_the_field():
     )
     with pytest.raises(ConfigError, match="generation.vllm.weight_receive"):
         config.validate()
+
+
+# --- receive buffers outside vLLM's memory budget (receive_budget_refusal, checked at join on GPUs) -----------------
+GIB = 2**30
+DEFAULT_UTILIZATION = VllmEngineConfig().gpu_memory_utilization  # 0.7: the hand-computed numbers below assume it
+QWEN2_5_BF16_BYTES = {"1.5B": 2 * 1_543_714_304, "7B": 2 * 7_615_616_512, "32B": 2 * 32_763_876_352,
+                      "72B": 2 * 72_706_203_648}  # fmt: skip
+
+
+def refusal(model: str, card_gib: int, tensor_parallel_size: int = 1, utilization: float = DEFAULT_UTILIZATION):
+    """What a worker is told once vLLM took ``utilization`` of a ``card_gib`` GiB card (the rest is free)."""
+    total = card_gib * GIB
+    return receive_budget_refusal(receive_bytes=QWEN2_5_BF16_BYTES[model], free_bytes=round((1 - utilization) * total),
+                                  total_bytes=total, gpu_memory_utilization=utilization,
+                                  tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+
+
+def test_a_7b_model_in_bf16_does_not_fit_beside_vllm_on_a_40gb_card():
+    """15.23 GB + 1.07 GB headroom = 16.30 GB needed; 0.3 x 42.95 GB = 12.88 GB free: 3.42 GB short, 0.0796 of the
+    card, so the highest utilization that fits is 0.70 - 0.0796 = 0.620 -> 0.62 (vLLM's budget there, 26.6 GB,
+    holds its 15.2 GB of weights)."""
+    assert DEFAULT_UTILIZATION == 0.7
+    assert refusal("7B", 40) == (
+        "--vllm-weight-receive workers: an unsharded copy of the weights, 15.2 GB (+1.1 GB headroom), does not fit in "
+        "the 12.9 GB this GPU has free beyond --gpu-memory-utilization 0.70; lower it to 0.62 or less, or use "
+        "--weight-sync-mode files (read into host memory)"
+    )
+
+
+def test_a_32b_model_at_tensor_parallel_4_puts_a_whole_copy_on_each_80gb_card():
+    """Each of the 4 workers receives all 65.53 GB: + 1.07 GB = 66.60 GB needed, 0.3 x 85.90 GB = 25.77 GB free;
+    40.83 GB short = 0.4753 of the card: 0.70 - 0.4753 = 0.2247 -> 0.22 (18.9 GB of budget > its 16.4 GB shard)."""
+    message = refusal("32B", 80, tensor_parallel_size=4)
+    assert "weights, 65.5 GB (+1.1 GB headroom)" in message and "the 25.8 GB this GPU has free" in message
+    assert "lower it to 0.22 or less, or use --weight-sync-mode files (" in message
+
+
+def test_lowering_the_utilization_is_not_offered_where_vllm_could_not_hold_its_own_shard():
+    """32B on one 80 GB card: 0.22 would leave vLLM 18.9 GB for 65.5 GB of weights; 72B at TP=8 needs more than a
+    card (146.5 GB): only host memory is left."""
+    for message in (refusal("32B", 80, tensor_parallel_size=1), refusal("72B", 80, tensor_parallel_size=8)):
+        assert "lower it" not in message and message.endswith("; use --weight-sync-mode files (read into host memory)")
+
+
+def test_weights_that_fit_are_not_refused_and_every_refusal_is_one_short_line():
+    assert refusal("1.5B", 40) is None  # 3.09 + 1.07 GB needed, 12.88 GB free
+    assert refusal("7B", 80) is None  # 16.30 GB needed, 25.77 GB free
+    for message in (refusal("7B", 40), refusal("32B", 80, 4), refusal("72B", 80, 8), refusal("7B", 40, 1, 0.95)):
+        assert "\n" not in message and len(message) < 270, message  # vLLM's RPC error keeps about 300 characters
+
+
+class GpuWorker(FakeWorker):
+    """A fake worker with the configs vLLM gives every worker (``WorkerBase``)."""
+
+    def __init__(self, rank: int):
+        super().__init__(rank)
+        self.cache_config = SimpleNamespace(gpu_memory_utilization=0.7)
+        self.parallel_config = SimpleNamespace(tensor_parallel_size=1)
+
+
+def test_on_cpu_the_join_checks_nothing():
+    """Host memory is not vLLM's GPU budget: a CPU worker (no ``cache_config`` read) joins as before."""
+    assert receive_budget_check(FakeWorker(0), "cpu") is None
+
+
+def test_a_gpu_workers_join_refuses_buffers_that_do_not_fit_before_allocating_them(monkeypatch):
+    """CUDA pretended available, so the worker joins on ``cuda``; the group is a real gloo group (the factory behind
+    ``--weight-sync-backend torch`` swapped for one that forms gloo whatever the device) and the GPU's memory comes
+    from a fake ``torch.cuda.mem_get_info``: a 40 GiB card with 0.3 of it free. The sender's layout is a 7B model's
+    bytes in one bf16 tensor on the ``meta`` device (a shape, no memory). The join asks for the free memory once the
+    layout is known and refuses in one line, before any buffer is allocated on the (absent) GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    asked = []
+
+    def mem_get_info(device=None):
+        asked.append(device)
+        return round(0.3 * 40 * GIB), 40 * GIB
+
+    def gloo_group(*, rank, world_size, host, port, timeout_s, name, device):
+        return create_standalone_group("gloo", rank, world_size, host, port, timeout_s, name=name)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setitem(WEIGHT_SYNC_TRANSPORTS, "torch", gloo_group)
+    model = {"model.embed_tokens.weight": torch.empty(QWEN2_5_BF16_BYTES["7B"] // 2, dtype=torch.bfloat16,
+                                                      device="meta")}  # fmt: skip
+    assert receive_buffer_bytes(WeightLayout.from_state_dict(model), 2**24) == QWEN2_5_BF16_BYTES["7B"] + 16
+    port = find_free_port()
+    _, receives = plan_routes("broadcast", sender_nodes=["a"], producer_nodes=["a"],
+                              addresses=[("127.0.0.1", port)], run_dir="/r", formation=1)  # fmt: skip
+    worker = GpuWorker(0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        sending = pool.submit(host_as_sender, host="127.0.0.1", port=port, world_size=2, state_dict=model,
+                              timeout_s=10.0, transport="torch", name=stage_group_name(0), device="cpu")  # fmt: skip
+        with pytest.raises(RuntimeError) as refused:
+            worker.colossal_rl_join_weight_sync(routes_to_messages(receives[0]), 10.0, "torch")
+        with pytest.raises(Exception):  # noqa: B017  the sender's plan check: its receiver left
+            sending.result(timeout=30)
+    assert str(refused.value) == refusal("7B", 40), "the receive buffers, the free memory, the worker's utilization"
+    assert asked == [None]  # once, on the worker's current device
+    assert worker._colossal_rl_receivers == []

@@ -144,10 +144,11 @@ def load_at_a_safe_point(backend, case: dict, prompts: list[list[int]], weights)
 def receive_in_workers(backend, weights, tensor_parallel_size: int, version: int = 1) -> None:
     """A sync the way a run makes it with ``--vllm-weight-receive workers``: this process hosts the weight-sync group
     as its sender (a trainer's part), every engine worker joins it as one of the producer's ranks and receives
-    ``version`` (the engine holding ``version - 1``)."""
-    import threading
+    ``version`` (the engine holding ``version - 1``). The sender's device comes from ``default_device``, as the
+    workers' does (``vllm_worker.py``): on a GPU both sides speak NCCL, on CPU gloo."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    from colossal_rl.comm.process_group import find_free_port
+    from colossal_rl.comm.process_group import default_device, find_free_port
     from colossal_rl.comm.weight_sync.bucketed import host_as_sender
     from colossal_rl.comm.weight_sync.modes import plan_routes
     from colossal_rl.comm.weight_sync.stages import stage_group_name
@@ -156,18 +157,16 @@ def receive_in_workers(backend, weights, tensor_parallel_size: int, version: int
     _, routes = plan_routes("broadcast", sender_nodes=["here"], producer_nodes=["here"],
                             addresses=[("127.0.0.1", port)], run_dir=".", formation=1,
                             receivers_per_producer=[tensor_parallel_size])  # fmt: skip
-    senders = []
-    hosting = threading.Thread(target=lambda: senders.append(host_as_sender(
-        host="127.0.0.1", port=port, world_size=1 + tensor_parallel_size, state_dict=weights, timeout_s=120.0,
-        transport="torch", name=stage_group_name(0))))  # fmt: skip
-    hosting.start()
-    backend.join_weight_sync(routes[0], timeout_s=120.0, transport="torch")
-    hosting.join(timeout=150)
-    sending = threading.Thread(target=senders[0].send, args=(weights, version))
-    sending.start()
-    backend.receive_weights(version, loaded_version=version - 1)
-    sending.join(timeout=150)
-    senders[0].close()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-sender") as pool:
+        hosting = pool.submit(host_as_sender, host="127.0.0.1", port=port, world_size=1 + tensor_parallel_size,
+                              state_dict=weights, timeout_s=120.0, transport="torch", name=stage_group_name(0),
+                              device=default_device())  # fmt: skip
+        backend.join_weight_sync(routes[0], timeout_s=120.0, transport="torch")
+        sender = hosting.result(timeout=150)
+        sending = pool.submit(sender.send, weights, version)
+        backend.receive_weights(version, loaded_version=version - 1)
+        sending.result(timeout=150)
+    sender.close()
 
 
 class CalculatorEveryTurn:

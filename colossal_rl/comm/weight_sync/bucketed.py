@@ -136,6 +136,12 @@ def plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
+def receive_buffer_bytes(layout: WeightLayout, bucket_bytes: int) -> int:
+    """What a ``WeightReceiver`` allocates once, on its device: every bucket of the layout, header and padding
+    included (an unsharded copy of the weights)."""
+    return sum(bucket.nbytes for bucket in plan_buckets(layout, bucket_bytes))
+
+
 def chunk_ranges(nbytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
     """Byte ranges of one collective each: a bucket holding an oversized tensor goes in several pieces."""
     return [(start, min(start + bucket_bytes, nbytes)) for start in range(0, nbytes, bucket_bytes)]
@@ -450,12 +456,23 @@ def join_as_receiver(
     transport: str = "torch",
     name: str = "weight_sync",
     device: torch.device | str = "cpu",
+    before_allocating: Callable[[int], None] | None = None,
 ) -> WeightReceiver:
-    """Join the group hosted by ``host_as_sender`` as ``rank`` (1 .. world_size - 1) and get the layout."""
+    """Join the group hosted by ``host_as_sender`` as ``rank`` (1 .. world_size - 1) and get the layout.
+
+    ``before_allocating`` gets the receive buffers' bytes (``receive_buffer_bytes``) once the layout is known and
+    before they are allocated on ``device``; it may raise to refuse (a vLLM worker whose GPU has no room for them
+    outside vLLM's budget): this member then leaves the group, and the sender's next collective fails."""
     group = create_group(
         transport, rank=rank, world_size=world_size, host=host, port=port, timeout_s=timeout_s, name=name, device=device
     )
     layout, bucket_bytes = exchange_layout(group, None)
+    if before_allocating is not None:
+        try:
+            before_allocating(receive_buffer_bytes(layout, bucket_bytes))
+        except Exception:
+            group.close()
+            raise
     return WeightReceiver(group, layout, bucket_bytes, device)
 
 

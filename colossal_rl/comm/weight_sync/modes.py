@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -183,9 +183,16 @@ def open_sender(
 
 
 def open_receivers(
-    routes: Sequence[ReceiveRoute], *, timeout_s: float, transport: str, device, member: int = 0
+    routes: Sequence[ReceiveRoute],
+    *,
+    timeout_s: float,
+    transport: str,
+    device,
+    member: int = 0,
+    before_allocating: Callable[[int], None] | None = None,
 ) -> list:
-    """One receiver per pipeline stage's route (stage order), each on its stage's group; ``member`` as below."""
+    """One receiver per pipeline stage's route (stage order), each on its stage's group; ``member`` and
+    ``before_allocating`` as below."""
     from colossal_rl.comm.weight_sync.stages import stage_group_name
 
     return [
@@ -196,13 +203,25 @@ def open_receivers(
             group_name=stage_group_name(route.stage),
             device=device,
             member=member,
+            before_allocating=before_allocating,
         )  # fmt: skip
         for route in routes
     ]
 
 
-def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, group_name: str, device, member: int = 0):
-    """The receiver ``route`` asks for; ``member``: which of the producer's receiving processes this is."""
+def open_receiver(
+    route: ReceiveRoute,
+    *,
+    timeout_s: float,
+    transport: str,
+    group_name: str,
+    device,
+    member: int = 0,
+    before_allocating: Callable[[int], None] | None = None,
+):
+    """The receiver ``route`` asks for; ``member``: which of the producer's receiving processes this is.
+    ``before_allocating``: a broadcast receiver's check of its buffers' bytes on ``device`` (``join_as_receiver``);
+    shared memory and files are read into host memory and skip it."""
     if not 0 <= member < route.members:
         raise ValueError(f"member {member} of a route with {route.members} receiving processes")
     from colossal_rl.comm.weight_sync.bucketed import join_as_receiver
@@ -224,4 +243,5 @@ def open_receiver(route: ReceiveRoute, *, timeout_s: float, transport: str, grou
         transport=transport,
         name=group_name,
         device=device,
+        before_allocating=before_allocating,
     )
