@@ -113,5 +113,7 @@ def test_readme_states_the_producers_vllm_pins():
     from colossal_rl.producer_env import VLLM_PACKAGES, VLLM_VERSION
 
     assert f"vllm {VLLM_VERSION}" in gpu_section()
-    assert "cupy-cuda12x==14.2.0" in VLLM_PACKAGES["gpu"]  # the same cupy as the trainers' gpu extra
+    # cupy's CUDA build follows each side's torch: 12 beside the trainers' torch 2.5.1, 13 in the producers' 2.13
+    assert "cupy-cuda13x==14.2.0" in VLLM_PACKAGES["gpu"] and "cupy-cuda13x" in gpu_section()
     assert "cupy-cuda12x==14.2.0" in setup_requirements()[1]
+    assert "NCCL 2.29.7" in gpu_section() and "r580" in gpu_section()
