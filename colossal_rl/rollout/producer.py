@@ -26,10 +26,10 @@ from colossal_rl.rollout.backend import (
     VLLM_DTYPES,
     GenerationOutput,
     SamplingSettings,
-    create_backend,
     eval_sampling,
     train_sampling,
 )
+from colossal_rl.rollout.backend_factory import create_backend
 from colossal_rl.rollout.eval_result import EvalResult, mean_and_pass_at_k
 from colossal_rl.rollout.postprocess import postprocess_rollout
 from colossal_rl.schedule.events import FinishedGroup
