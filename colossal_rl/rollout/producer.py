@@ -384,7 +384,7 @@ class Producer:
     def _merge_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With LoRA the sync carries only adapters: the merged weights W0 + (alpha / r) B A of the layers they
         adapt, W0 being the model's base weights (read once, at the first sync)."""
-        from colossal_rl.training.lora import base_name, lora_scaling, merge_adapters
+        from colossal_rl.lora_weights import base_name, lora_scaling, merge_adapters
 
         if self._lora_base is None:
             targets = {base_name(key) for key in adapters}
