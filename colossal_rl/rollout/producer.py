@@ -1,6 +1,6 @@
 """A producer: samples groups of responses for its share of each round and scores them.
 
-Plain class, no Ray: the actor shell in ``colossal_rl/actors.py`` moves its batches into the
+Plain class, no Ray: the actor shell in ``colossal_rl/driver/actors.py`` moves its batches into the
 object store and the shared buffer. A producer only ever generates with the weights it was
 last given; which round uses which weights version is decided by the driver's schedule.
 """
