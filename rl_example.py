@@ -28,11 +28,11 @@ __all__ = ["FLAG_FIELDS", "NOT_CONFIG_FLAGS", "UsageError", "build_parser", "con
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    from colossal_rl.actor_groups import RunFailed
     from colossal_rl.data import DataError
+    from colossal_rl.driver.calls import RunFailed
+    from colossal_rl.driver.launch import run_training
+    from colossal_rl.driver.placement import PlacementError
     from colossal_rl.input_checks import InputError
-    from colossal_rl.launch import run_training
-    from colossal_rl.placement import PlacementError
     from colossal_rl.producer_env import ProducerEnvError
     from colossal_rl.run_checkpoints.on_disk import CheckpointError
     from colossal_rl.run_outputs import OutputDirError

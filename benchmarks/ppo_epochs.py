@@ -39,7 +39,7 @@ def run_child(flags: list[str]) -> dict:
     import logging
 
     from colossal_rl.command_line import build_parser, config_from_args
-    from colossal_rl.launch import run_training
+    from colossal_rl.driver.launch import run_training
     from colossal_rl.metrics import read_metrics
 
     logging.basicConfig(level=logging.WARNING)

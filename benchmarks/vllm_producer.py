@@ -44,7 +44,8 @@ def serve(backend_name: str, threads: int) -> None:
     from colossal_rl.config import EMBEDDED_MODEL_DIR, EMBEDDED_TRAIN_DATA, RLConfig, VllmEngineConfig
     from colossal_rl.data import load_prompt_dataset
     from colossal_rl.prompts import system_prompt_for
-    from colossal_rl.rollout.backend import SamplingSettings, create_backend
+    from colossal_rl.rollout.backend import SamplingSettings
+    from colossal_rl.rollout.backend_factory import create_backend
 
     started = time.perf_counter()
     backend = create_backend(backend_name, str(EMBEDDED_MODEL_DIR), weights_dtype="float32", max_sequence_tokens=256,
@@ -134,7 +135,7 @@ def sync_cost(model_dir: str, reps: int) -> None:
     from colossal_rl.comm.weight_sync.modes import plan_routes
     from colossal_rl.comm.weight_sync.stages import stage_group_name
     from colossal_rl.config import VllmEngineConfig
-    from colossal_rl.rollout.backend import create_backend
+    from colossal_rl.rollout.backend_factory import create_backend
 
     backend = create_backend(
         "vllm", model_dir, weights_dtype="float32", vllm_engine=VllmEngineConfig(max_model_len=128)

@@ -172,7 +172,7 @@ def greedy_eval(config, state_dict=None) -> float:
 def run_ours(model: str, settings: Settings, n_behind: int, extra_flags: list[str]) -> dict:
     import logging
 
-    from colossal_rl.launch import run_training
+    from colossal_rl.driver.launch import run_training
     from colossal_rl.metrics import read_metrics
 
     logging.basicConfig(level=logging.WARNING)

@@ -111,7 +111,7 @@ def _check_master_address(args: argparse.Namespace) -> None:
     """--master_address must map to a Ray address (host, host:port, auto or ray://...) before Ray starts."""
     if args.master_address is None:
         return
-    from colossal_rl.placement import ray_address
+    from colossal_rl.ray_address import ray_address
 
     try:
         ray_address(args.master_address)

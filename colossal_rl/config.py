@@ -810,7 +810,7 @@ class RLConfig:
         )
 
     def _validate_stream(self) -> None:
-        """What ``--schedule stream`` runs with (``colossal_rl/stream_loop.py``); the rest fails here, naming it."""
+        """What ``--schedule stream`` runs with (``driver/stream_loop.py``); the rest fails here, naming it."""
         sched = self.schedule
         _require(sched.mode in ("rounds", "stream"), "schedule.mode", f"must be rounds or stream, got {sched.mode!r}")
         if sched.mode != "stream":

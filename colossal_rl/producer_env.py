@@ -20,7 +20,6 @@ Importing this module needs neither torch, Ray nor vLLM.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import logging
@@ -28,15 +27,14 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 from colossal_rl.comm.nccl_release import NCCL_RELEASE, PRODUCER_NCCL_PACKAGE
+from colossal_rl.env_builds import CACHE_VARIABLE, ProducerEnvError, cache_root, locked, run_step
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +81,7 @@ COMPLETE_MARKER = "colossal-rl-env.json"
 BUILD_LOCK_TIMEOUT_S = 3600.0
 """How long a run waits for another process's build of the same environment before giving up."""
 PYTHON_OVERRIDE_VARIABLE = "COLOSSAL_RL_PRODUCER_PYTHON"
-CACHE_VARIABLE = "COLOSSAL_RL_CACHE"
 KIND_VARIABLE = "COLOSSAL_RL_PRODUCER_ENV_KIND"
-
-
-class ProducerEnvError(RuntimeError):
-    """The producer environment is missing, cannot be built, or does not work."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,10 +154,6 @@ def spec_for(kind: EnvKind, *, root: Path | None = None) -> ProducerEnvSpec:
     )
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_VARIABLE) or Path.home() / ".cache" / "colossal-rl") / "producer-envs"
-
-
 def env_dir(spec: ProducerEnvSpec) -> Path:
     return cache_root() / f"{spec.kind}-{spec.fingerprint()}"
 
@@ -212,63 +201,6 @@ def build_steps(spec: ProducerEnvSpec, directory: Path) -> list[tuple[str, list[
     return steps
 
 
-STEP_TIMEOUT_S = 1800.0
-"""Bound on one build step (pip resolving and downloading vLLM's dependencies takes 2-4 minutes here)."""
-
-
-def _run_step(what: str, command: list[str], log_path: Path, timeout_s: float = STEP_TIMEOUT_S) -> None:
-    """Run one step, streaming its output to the log file and (one line in twenty, plus the tail) to ``logger``."""
-    logger.info("producer environment: %s", what)
-    started = time.monotonic()
-    tail: deque[str] = deque(maxlen=15)
-    with log_path.open("a", encoding="utf-8") as log:
-        log.write(f"$ {' '.join(command)}\n")
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, "PIP_PROGRESS_BAR": "off", "PYTHONUNBUFFERED": "1"})  # fmt: skip
-        assert process.stdout is not None
-        watchdog = threading.Timer(timeout_s, process.kill)  # the line loop below ends when the process dies
-        watchdog.start()
-        try:
-            for number, line in enumerate(process.stdout):
-                log.write(line)
-                tail.append(line.rstrip())
-                if number % 20 == 0 and line.strip():
-                    logger.info("producer environment: %s", line.rstrip()[:200])
-            code = process.wait()
-        finally:  # interrupted (Ctrl-C, a test's timeout): no pip left writing into the environment
-            watchdog.cancel()
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    if code != 0 and time.monotonic() - started >= timeout_s:
-        raise ProducerEnvError(f"building the vLLM producer environment: '{what}' took over {timeout_s:.0f}s and was "
-                               f"stopped; full log: {log_path}")  # fmt: skip
-    if code != 0:
-        raise ProducerEnvError(
-            f"building the vLLM producer environment failed at '{what}' (exit {code}); full log: {log_path}\n"
-            + "\n".join(tail)
-        )
-
-
-def _locked(directory: Path, timeout_s: float):
-    """An exclusive lock on ``directory``'s build, waited for at most ``timeout_s``."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(directory.with_suffix(".lock"), "w")  # noqa: SIM115 (closed by the caller)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return handle
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                handle.close()
-                raise ProducerEnvError(
-                    f"another process has been building {directory} for over {timeout_s:.0f}s; remove "
-                    f"{directory.with_suffix('.lock')} if no build is running"
-                ) from None
-            time.sleep(2.0)
-
-
 def ensure_producer_env(kind: EnvKind | None = None, *, lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> Path:
     """The producers' Python interpreter: ``COLOSSAL_RL_PRODUCER_PYTHON``, else the cached environment for ``kind``
     (default: this machine's), built first if it is missing or its pins changed."""
@@ -285,7 +217,7 @@ def ensure_producer_env(kind: EnvKind | None = None, *, lock_timeout_s: float = 
     directory = env_dir(spec)
     if is_complete(directory, spec):
         return env_python(directory)
-    handle = _locked(directory, lock_timeout_s)
+    handle = locked(directory, lock_timeout_s)
     try:
         if is_complete(directory, spec):  # built by another process while this one waited
             return env_python(directory)
@@ -296,7 +228,7 @@ def ensure_producer_env(kind: EnvKind | None = None, *, lock_timeout_s: float = 
         log_path = directory.with_suffix(".log")
         log_path.write_text("")
         for number, (what, command) in enumerate(build_steps(spec, directory)):
-            _run_step(what, command, log_path)
+            run_step(what, command, log_path)
             if number == 0 and spec.constraints:  # the virtualenv exists: the constraints file goes in it
                 (directory / "constraints.txt").write_text(spec.constraints)
         mark_complete(directory, spec)

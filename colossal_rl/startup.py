@@ -11,7 +11,7 @@ round it trains has arrived, logs one line per actor and writes ``<run_dir>/star
 Phases. Driver: ``python+flags`` (interpreter, imports, flag parsing and input checks, up to
 ``run_training``), ``inputs``, ``metrics`` (wandb), ``ray start``, ``actors`` (creation submitted to every
 actor ready), ``weight sync`` (the sync group), ``eval before``. Actors: ``spawn`` (creation submitted to
-the actor's constructor running: Ray scheduling, worker process start, importing ``colossal_rl.actors``),
+the actor's constructor running: Ray scheduling, worker process start, importing ``colossal_rl.driver.actors``),
 then what each constructor and setup does (``imports``, ``model``, ``boost``...), and for producers
 ``first round`` (generating and scoring the first round trained by this run, up to its hand-off).
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from colossal_rl.comm.nccl_release import NCCL_RELEASE, NCCL_SONAME, TRAINER_NCCL_PACKAGE, library_version
-from colossal_rl.producer_env import ProducerEnvError, _locked, _run_step, cache_root
+from colossal_rl.env_builds import ProducerEnvError, cache_root, locked, run_step
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def ensure_trainer_nccl(*, lock_timeout_s: float = INSTALL_LOCK_TIMEOUT_S) -> Pa
     directory = install_dir()
     if is_installed(directory):
         return library_path(directory)
-    handle = _locked(directory, lock_timeout_s)
+    handle = locked(directory, lock_timeout_s)
     try:
         if not is_installed(directory):
             _install(directory)
@@ -90,7 +90,7 @@ def _install(directory: Path) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text("")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "--no-deps"]
-    _run_step(f"install {requirement()}", [*pip, "--target", str(directory), requirement()], log_path)
+    run_step(f"install {requirement()}", [*pip, "--target", str(directory), requirement()], log_path)
     (directory / COMPLETE_MARKER).write_text(json.dumps({"requirement": requirement()}))
     logger.info("trainers' NCCL ready in %.0fs: %s", time.monotonic() - started, library_path(directory))
 

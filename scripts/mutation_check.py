@@ -427,7 +427,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="restart_copy_taken_after_the_send",
         why="the restart copy of the weights is taken after the send (on NCCL, queued behind a stuck broadcast)",
-        path="colossal_rl/actors.py",
+        path="colossal_rl/driver/actors.py",
         old="            retained = self._retain(state)\n            if self.sender is not None:\n"
         "                self.sender.send(state, policy_version)\n",
         new="            if self.sender is not None:\n                self.sender.send(state, policy_version)\n"
@@ -493,7 +493,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="workers_warm_the_compile_pool",
         why="every trainer and producer starts torch's idle compile-worker processes",
-        path="colossal_rl/actors.py",
+        path="colossal_rl/driver/actors.py",
         old='    os.environ.setdefault(WARM_COMPILE_POOL_VARIABLE, "0")  # before torch._inductor is imported\n',
         new="",
         tests=("tests/unit/test_worker_setup.py::test_a_worker_starts_no_idle_compile_processes",),
@@ -501,7 +501,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="rounds_ignore_max_steps",
         why="the round loop runs every planned round: a DAPO run with --max-steps trains past (or short of) it",
-        path="colossal_rl/launch.py",
+        path="colossal_rl/driver/run.py",
         old="last_round = round_index == rounds - 1 or (max_steps is not None and self.step >= max_steps)",
         new="last_round = round_index == rounds - 1",
         tests=("tests/e2e/test_e2e_cpu.py::test_driver_syncs_weights_and_drops_stale_batches",),
@@ -575,7 +575,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="trainers_skip_the_nccl_preload",
         why="the trainers' actors keep torch 2.5.1's NCCL 2.21.5 on GPUs: no communicator with the producers' 2.29.7",
-        path="colossal_rl/actor_groups.py",
+        path="colossal_rl/driver/actor_groups.py",
         old="    trainer_env = trainer_runtime_env(on_gpu)\n",
         new="    trainer_env = {}\n",
         tests=(
@@ -586,7 +586,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="vllm_producers_get_the_trainers_preload",
         why="vLLM producers (torch 2.13, CUDA 13) start with the trainers' CUDA 12 NCCL preloaded",
-        path="colossal_rl/actor_groups.py",
+        path="colossal_rl/driver/actor_groups.py",
         old='    return trainer_env, (producer_env if backend == "vllm" else trainer_env)\n',
         new="    return trainer_env, trainer_env\n",
         tests=("tests/unit/test_nccl_release.py::test_vllm_producers_run_their_own_nccl_never_the_trainers_preload",),

@@ -9,7 +9,7 @@ rank computes about as many tokens (``token_balance.py``); without costs, rank `
 contiguous slice. Every data-parallel rank may have several takers (its tensor- and
 pipeline-parallel ranks, ``takers_per_rank``): each of them gets the same assignment. Groups left over (possible when filtering drops groups) wait for the
 next round; groups whose policy version is more than ``n_behind`` versions older than the
-trainers' are dropped and counted. Plain class: the Ray shell lives in ``colossal_rl/actors.py``.
+trainers' are dropped and counted. Plain class: the Ray shell lives in ``colossal_rl/driver/actors.py``.
 """
 
 from __future__ import annotations

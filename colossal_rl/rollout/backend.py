@@ -2,8 +2,8 @@
 
 A backend turns prompt token ids into sampled responses laid out as the rollout batch
 expects (left-padded prompts, right-padded responses, behaviour log-probabilities) and
-accepts new weights by name. ``create_backend`` picks the implementation; the vLLM one
-is imported only when asked for, so this module is safe without a GPU.
+accepts new weights by name. ``backend_factory.create_backend`` picks the implementation, which imports
+this module (never the reverse); this module is safe without a GPU.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from colossal_rl.config import GenerationConfig, VllmEngineConfig
+from colossal_rl.config import GenerationConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,49 +118,3 @@ def require_backend(name: str) -> None:
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """Training precision -> the dtype vLLM holds weights in, so the weights the trainers send are held exactly."""
-
-
-def create_backend(
-    name: str,
-    model_path: str,
-    *,
-    tensor_parallel_size: int = 1,
-    seed: int = 0,
-    vllm_engine: VllmEngineConfig | None = None,
-    max_sequence_tokens: int | None = None,
-    trust_remote_code: bool = False,
-    weights_dtype: str = "auto",
-    images_per_prompt: int | None = None,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-) -> InferenceBackend:
-    """The backend ``name``; ``vllm_engine``, ``max_sequence_tokens`` (prompt + response) and ``weights_dtype``
-    concern vLLM only.
-
-    ``trust_remote_code`` lets the model's own code (``auto_map`` in its config) load, in either backend.
-    ``weights_dtype``: the dtype the engine holds weights in ("float32", "bfloat16", "float16"): the trainers'
-    precision, so synced weights are held exactly ("auto" would run a float32 config in float16).
-    ``images_per_prompt``, ``min_pixels``, ``max_pixels``: a vision-language model's image limits, for vLLM's own
-    image processing (the transformers backend's prompts come processed).
-    """
-    require_backend(name)
-    if name == "vllm":
-        from colossal_rl.rollout.vllm_backend import VllmBackend
-
-        return VllmBackend(
-            model_path,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            engine=vllm_engine or VllmEngineConfig(),
-            max_sequence_tokens=max_sequence_tokens,
-            trust_remote_code=trust_remote_code,
-            dtype=weights_dtype,
-            images_per_prompt=images_per_prompt,
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-        )
-    if tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm backend")
-    from colossal_rl.rollout.transformers_backend import TransformersBackend
-
-    return TransformersBackend(model_path, trust_remote_code=trust_remote_code)

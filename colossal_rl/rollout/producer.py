@@ -1,6 +1,6 @@
 """A producer: samples groups of responses for its share of each round and scores them.
 
-Plain class, no Ray: the actor shell in ``colossal_rl/actors.py`` moves its batches into the
+Plain class, no Ray: the actor shell in ``colossal_rl/driver/actors.py`` moves its batches into the
 object store and the shared buffer. A producer only ever generates with the weights it was
 last given; which round uses which weights version is decided by the driver's schedule.
 """
@@ -26,10 +26,10 @@ from colossal_rl.rollout.backend import (
     VLLM_DTYPES,
     GenerationOutput,
     SamplingSettings,
-    create_backend,
     eval_sampling,
     train_sampling,
 )
+from colossal_rl.rollout.backend_factory import create_backend
 from colossal_rl.rollout.eval_result import EvalResult, mean_and_pass_at_k
 from colossal_rl.rollout.postprocess import postprocess_rollout
 from colossal_rl.schedule.events import FinishedGroup
@@ -384,7 +384,7 @@ class Producer:
     def _merge_adapters(self, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With LoRA the sync carries only adapters: the merged weights W0 + (alpha / r) B A of the layers they
         adapt, W0 being the model's base weights (read once, at the first sync)."""
-        from colossal_rl.training.lora import base_name, lora_scaling, merge_adapters
+        from colossal_rl.lora_weights import base_name, lora_scaling, merge_adapters
 
         if self._lora_base is None:
             targets = {base_name(key) for key in adapters}

@@ -31,7 +31,7 @@ import torch
 
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.continuous_batching import DecodedGroup
-from colossal_rl.rollout.vllm_backend import SEED_RANGE, padded_output, right_pad, sampled_logprobs, vllm_requests
+from colossal_rl.rollout.vllm_requests import SEED_RANGE, padded_output, right_pad, sampled_logprobs, vllm_requests
 
 
 @dataclass(frozen=True)

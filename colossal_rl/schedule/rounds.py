@@ -1,4 +1,4 @@
-"""Today's round schedule (``launch.py``'s ``Driver.run``) on the streaming schedule's event/decision interface.
+"""Today's round schedule (``driver/run.py``'s ``Driver.run``) on the streaming schedule's event/decision interface.
 
 Round ``r``: every producer generates ``prompts_per_producer`` prompts of it with version ``max(0, r - n_behind)``
 (ordered as soon as the sync of that version is); the round is complete when its slowest chunk is in; then its
@@ -6,7 +6,7 @@ kept groups join the carried-over pool, groups staler than ``n_behind`` versions
 into whole steps of ``groups_per_step`` (the rest carried over, as ``comm/buffer.py``'s ``RoundBuffer`` does);
 version ``r + 1`` is due after the round's last step. Versions count rounds here, not steps.
 
-It exists so the schedule simulator compares both schedules through one driving loop; ``launch.py`` keeps its
+It exists so the schedule simulator compares both schedules through one driving loop; ``Driver.run`` keeps its
 own round loop. Plain class, no ray, no torch.
 """
 

@@ -1,17 +1,18 @@
-"""LoRA adapters through peft: added to the policy before boosting, and the name mappings the rest of the run needs.
+"""LoRA adapters through peft, on the trainer: added to the policy before boosting, and written out in peft's format.
 
 Adapters are injected in place (``peft.inject_adapter_in_model``), so the policy stays the Hugging Face model
 class every other part of the trainer knows; a targeted linear ``X`` becomes ``X.base_layer`` (frozen) plus
 ``X.lora_A.default`` / ``X.lora_B.default`` (trained). Three views of those weights leave the trainer:
 
 - the **weight sync** carries only the adapters, named ``X.lora_A.weight`` / ``X.lora_B.weight``
-  (:func:`adapter_state_dict`); producers merge them into their own base weights (:func:`merge_adapters`,
-  ``rollout/producer.py``), so generation runs at full speed on plain weights;
-- the **HF export** gets merged, base-named weights (:func:`merged_state_dict`: ``X.weight = W0 + s B A``),
+  (``lora_weights.adapter_state_dict``); producers merge them into their own base weights
+  (``lora_weights.merge_adapters``, ``rollout/producer.py``), so generation runs at full speed on plain weights;
+- the **HF export** gets merged, base-named weights (``lora_weights.merged_state_dict``: ``X.weight = W0 + s B A``),
   loadable by plain transformers and vLLM, and an adapter directory in peft's format (:func:`write_adapter_dir`);
 - the **trainer checkpoint** keeps the injected model's own state dict (base and adapters), so resume is exact.
 
-``s = lora_alpha / lora_rank``. Pure functions over state dicts except :func:`add_lora_adapters`.
+``s = lora_alpha / lora_rank``. The names and the merge, which the producers need too, are in
+``colossal_rl/lora_weights.py``; this module is the trainer's (peft).
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ from pathlib import Path
 import torch
 
 from colossal_rl.config import TrainConfig
+from colossal_rl.lora_weights import ADAPTER_NAME, is_adapter_key
 from colossal_rl.vision.models import is_vision_tower_weight
-
-ADAPTER_NAME = "default"
-_LORA_PARTS = (".lora_A.", ".lora_B.")
 
 
 def target_modules(train: TrainConfig, model: torch.nn.Module | None = None) -> str | list[str]:
@@ -44,10 +43,6 @@ def target_modules(train: TrainConfig, model: torch.nn.Module | None = None) -> 
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and module is not output and not is_vision_tower_weight(name + ".")
     ]
-
-
-def lora_scaling(train: TrainConfig) -> float:
-    return train.lora_alpha / train.lora_rank
 
 
 def peft_lora_config(train: TrainConfig, targets: str | list[str] | None = None):
@@ -76,55 +71,6 @@ def add_lora_adapters(model: torch.nn.Module, train: TrainConfig) -> torch.nn.Mo
             "was added"
         )
     return model
-
-
-def is_adapter_key(name: str) -> bool:
-    return any(part in name for part in _LORA_PARTS)
-
-
-def adapter_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters of an injected model's state dict, named ``X.lora_A.weight`` / ``X.lora_B.weight``."""
-    return {name.replace(f".{ADAPTER_NAME}.", "."): t for name, t in state_dict.items() if is_adapter_key(name)}
-
-
-def base_name(adapter_key: str) -> str:
-    """``X.lora_A.weight`` (or ``X.lora_B.weight``) -> ``X.weight``: the base weight the adapter updates."""
-    for part in _LORA_PARTS:
-        if part in adapter_key:
-            return adapter_key.split(part)[0] + ".weight"
-    raise ValueError(f"{adapter_key!r} is not a LoRA adapter key")
-
-
-def merge_adapters(
-    base_weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scaling: float
-) -> dict[str, torch.Tensor]:
-    """``X.weight = W0 + scaling * B @ A`` for every adapted ``X`` (computed in fp32, returned in W0's dtype).
-
-    ``base_weights``: ``X.weight`` -> W0 [out, in]; ``adapters``: ``X.lora_A.weight`` [r, in] and
-    ``X.lora_B.weight`` [out, r]. Returns only the merged weights.
-    """
-    merged = {}
-    for key, lora_a in adapters.items():
-        if ".lora_A." not in key:
-            continue
-        target = base_name(key)
-        lora_b = adapters.get(key.replace(".lora_A.", ".lora_B."))
-        if lora_b is None:
-            raise KeyError(f"{key!r} came without its lora_B")
-        if target not in base_weights:
-            raise KeyError(f"adapter {key!r} updates {target!r}, which the base weights lack")
-        base = base_weights[target]
-        # One fused fp32 GEMM-and-add (1.4x faster than B @ A, then the sum, on 2 CPU cores at Qwen2-0.5B shapes).
-        lora_b, lora_a = lora_b.to(base.device, torch.float32), lora_a.to(base.device, torch.float32)
-        merged[target] = torch.addmm(base.float(), lora_b, lora_a, alpha=scaling).to(base.dtype)
-    return merged
-
-
-def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """An injected model's state dict as the plain model's: ``X.base_layer.*`` -> ``X.*``, adapters merged in."""
-    plain = {name.replace(".base_layer.", "."): t for name, t in state_dict.items() if not is_adapter_key(name)}
-    plain.update(merge_adapters(plain, adapter_state_dict(state_dict), scaling))
-    return plain
 
 
 def write_adapter_dir(adapters: dict[str, torch.Tensor], train: TrainConfig, base_model: str, directory: Path) -> Path:

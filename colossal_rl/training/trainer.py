@@ -425,7 +425,7 @@ class Trainer:
 
         state = gather_full_state_dict(self.model, self.plugin, self.optimizer)
         if state is not None and self.config.train.lora_rank > 0:
-            from colossal_rl.training.lora import lora_scaling, merged_state_dict
+            from colossal_rl.lora_weights import lora_scaling, merged_state_dict
 
             state = merged_state_dict(state, lora_scaling(self.config.train))  # base names, adapters merged in
         return state
@@ -448,7 +448,8 @@ class Trainer:
 
             state = without_vision_tower(state)  # it never changes: producers keep the tower they loaded
         if state is not None and self.config.train.lora_rank > 0:
-            from colossal_rl.training.lora import adapter_state_dict, sync_fraction_report
+            from colossal_rl.lora_weights import adapter_state_dict
+            from colossal_rl.training.lora import sync_fraction_report
 
             state = adapter_state_dict(state)  # only the adapters travel; producers merge them
             if self.sync_report is None:
@@ -487,7 +488,7 @@ class Trainer:
 
         adapters = None
         if self.config.train.lora_rank > 0:
-            from colossal_rl.training.lora import adapter_state_dict
+            from colossal_rl.lora_weights import adapter_state_dict
 
             adapters = adapter_state_dict(self.stage_state_dict() or {})  # collective; full on global rank 0
         full_state = self.full_state_dict()

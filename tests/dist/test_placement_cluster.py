@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from colossal_rl.placement import LOCAL_ADDRESS, actor_options
+from colossal_rl.driver.placement import LOCAL_ADDRESS, actor_options
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -25,7 +25,6 @@ def two_node_cluster():
     yield ray
     ray.shutdown()
     cluster.shutdown()
-
 
 
 def test_ray_puts_each_actor_where_the_placement_says(two_node_cluster):
@@ -48,5 +47,3 @@ def test_ray_puts_each_actor_where_the_placement_says(two_node_cluster):
     assert options.trainer_master_address == LOCAL_ADDRESS
     for probe in probes:
         ray.kill(probe)
-
-

@@ -59,7 +59,8 @@ def small_config(tmp_path: Path) -> RLConfig:
 def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     import ray
 
-    from colossal_rl.launch import Driver, init_ray, make_run_dir
+    from colossal_rl.driver.launch import init_ray, make_run_dir
+    from colossal_rl.driver.run import Driver
 
     config = small_config(tmp_path)
     assert config.steps_per_round == 2

@@ -52,7 +52,8 @@ def test_vllm_producer_holds_the_trainer_weights_after_an_nccl_sync(tmp_path):
         pytest.skip("needs 2 GPUs: one producer, one trainer")
     import ray
 
-    from colossal_rl.launch import Driver, init_ray, make_run_dir
+    from colossal_rl.driver.launch import init_ray, make_run_dir
+    from colossal_rl.driver.run import Driver
     from colossal_rl.producer_env import ensure_producer_env
 
     ensure_producer_env("gpu")

@@ -12,7 +12,7 @@ import pytest
 
 import colossal_rl.command_line as command_line
 import colossal_rl.rollout.backend as backend_module
-from colossal_rl.placement import ANY_FREE_PORT, CLUSTER_MASTER_PORT, trainer_master_port
+from colossal_rl.driver.placement import ANY_FREE_PORT, CLUSTER_MASTER_PORT, trainer_master_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package

@@ -160,7 +160,7 @@ def test_a_member_below_a_dead_one_fails_at_once_instead_of_waiting_out_the_time
 def test_a_sync_takes_the_restart_copy_before_sending():
     """A send that times out must not leave the host copy behind it: on NCCL a copy queued after a stuck
     broadcast would never run. The copy is taken first (and kept only when the sync completes)."""
-    from colossal_rl.actors import TrainerActor
+    from colossal_rl.driver.actors import TrainerActor
 
     calls = []
     state = {"w": torch.ones(2)}
@@ -181,7 +181,7 @@ def test_a_sync_takes_the_restart_copy_before_sending():
 def test_the_restart_copy_is_taken_only_with_elastic_producers(monkeypatch, restarts):
     """The host copy of the weights every sync costs a device-to-host copy and an object-store put of the whole
     stage (README "Run lifecycle"); ``--max-actor-restarts 0`` turns it off."""
-    import colossal_rl.actors as actors
+    import colossal_rl.driver.actors as actors
 
     put = []
     monkeypatch.setattr(actors.ray, "put", lambda value: put.append(value) or "ref")

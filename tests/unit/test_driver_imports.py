@@ -12,9 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from colossal_rl.actors import rollout_samples
 from colossal_rl.config import RLConfig, ScheduleConfig
 from colossal_rl.config_resolve import resolve
+from colossal_rl.driver.actors import rollout_samples
 from colossal_rl.reward import build_reward_scorer
 from colossal_rl.rollout.producer import Producer
 
@@ -27,8 +27,9 @@ config = rl_example.config_from_args(rl_example.build_parser().parse_args([]))
 from colossal_rl.input_checks import check_inputs
 check_inputs(config)
 from colossal_rl.data_sources import load_prompt_rows
-from colossal_rl.launch import Driver, run_training, total_rounds
-import colossal_rl.actors, colossal_rl.startup
+from colossal_rl.driver.launch import run_training
+from colossal_rl.driver.run import Driver, total_rounds
+import colossal_rl.driver.actors, colossal_rl.startup
 assert total_rounds(config, len(load_prompt_rows(config.data.train_path))) > 0
 received = pickle.loads(sys.stdin.buffer.read())
 assert received["eval"][0].task == "math" and received["metrics"]["rollout/accuracy"] >= 0

@@ -6,7 +6,7 @@ import torch
 from torch.testing import assert_close
 
 from colossal_rl.config import ConfigError, ParallelConfig, RLConfig, TrainConfig, replace
-from colossal_rl.training.lora import (
+from colossal_rl.lora_weights import (
     adapter_state_dict,
     base_name,
     is_adapter_key,

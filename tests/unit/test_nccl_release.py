@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from colossal_rl import actor_groups, producer_env, trainer_nccl
+from colossal_rl import producer_env, trainer_nccl
 from colossal_rl.comm.nccl_release import (
     NCCL_RELEASE,
     TRAINER_BASE_NCCL,
@@ -24,6 +24,7 @@ from colossal_rl.comm.nccl_release import (
     version_string,
 )
 from colossal_rl.comm.process_group import find_free_port
+from colossal_rl.driver import actor_groups
 from colossal_rl.producer_env import ProducerEnvError
 
 

@@ -1,4 +1,4 @@
-"""The driver's pending calls (``colossal_rl/pending_calls.py``) keep their rules: a set taken out is not re-issued by
+"""The driver's pending calls (``driver/pending_calls.py``) keep their rules: a set taken out is not re-issued by
 ``redo_lost`` (its waiter does that), a lost call in the table is re-issued once per restart, a round is submitted
 once, ``settle`` turns rounds into finished calls no restart re-issues, and the per-group gather cuts results back
 per group. Calls here are plain values with a fake "lost" flag: no Ray."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from colossal_rl.actor_groups import ActorId, Call, RunFailed, split_results
-from colossal_rl.pending_calls import PendingCalls
+from colossal_rl.driver.calls import ActorId, Call, RunFailed, split_results
+from colossal_rl.driver.pending_calls import PendingCalls
 
 
 class Issued:

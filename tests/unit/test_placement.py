@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from colossal_rl.placement import (
+from colossal_rl.driver.placement import (
     HEAD_NODE_RESOURCE,
     LOCAL_ADDRESS,
     NodeInfo,
@@ -13,9 +13,9 @@ from colossal_rl.placement import (
     actor_options,
     alive_nodes,
     plan_placement,
-    ray_address,
     threads_per_actor,
 )
+from colossal_rl.ray_address import ray_address
 
 
 def ray_node(node_id: str, *, gpus: int = 0, cpus: int = 8, head: bool = False, alive: bool = True, address=None):
@@ -156,8 +156,8 @@ def test_bad_master_address_is_refused(master_address):
 def test_init_ray_joins_the_given_address(monkeypatch):
     import ray
 
-    from colossal_rl import launch
     from colossal_rl.config import RLConfig, RunConfig
+    from colossal_rl.driver import launch
 
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

@@ -16,7 +16,7 @@ import torch
 from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import ConfigError, RLConfig, resolve_precision, with_device_precision
 from colossal_rl.config_resolve import resolve
-from colossal_rl.placement import PlacementError, resolve_precision_for_cluster
+from colossal_rl.driver.placement import PlacementError, resolve_precision_for_cluster
 from colossal_rl.run_checkpoints import on_disk as ckpt
 from rl_example import UsageError, build_parser, config_from_args
 
@@ -90,7 +90,7 @@ def test_a_producer_given_auto_holds_its_device_precision(monkeypatch, cuda, dty
 
 
 def test_a_resume_under_auto_keeps_the_checkpoints_precision(tmp_path):
-    from colossal_rl.run_checkpoints.save_and_resume import checkpoint_to_resume, config_as_json
+    from colossal_rl.driver.save_and_resume import checkpoint_to_resume, config_as_json
 
     saved_config = with_device_precision(RLConfig(), on_gpu=True)  # a GPU run's checkpoint: bf16
     staging = ckpt.staging_dir(tmp_path / "checkpoints", 4)

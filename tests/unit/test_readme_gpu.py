@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from colossal_rl.config import RLConfig
-from colossal_rl.placement import NodeInfo, plan_placement, ray_address
+from colossal_rl.driver.placement import NodeInfo, plan_placement
+from colossal_rl.ray_address import ray_address
 from colossal_rl.rollout import backend as backend_module
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

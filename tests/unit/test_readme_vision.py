@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from colossal_rl.placement import NodeInfo, plan_placement
+from colossal_rl.driver.placement import NodeInfo, plan_placement
 from colossal_rl.rollout import backend as backend_module
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""How many rounds the round schedule plans (``launch.total_rounds``) and the steps its LR schedule spans.
+"""How many rounds the round schedule plans (``driver/run.py``'s ``total_rounds``) and the steps its LR schedule spans.
 
 ``--max-steps`` counts optimizer steps. Unfiltered, a round trains ``optimizer_steps_per_round`` of them, so the
 rounds are capped at ``ceil(max_steps / per round)``. DAPO's dynamic sampling drops groups, so its rounds train
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from colossal_rl.config import RLConfig
-from colossal_rl.launch import planned_steps, total_rounds
+from colossal_rl.driver.run import planned_steps, total_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rl_example.py: a script at the repo root
 from rl_example import build_parser, config_from_args  # noqa: E402

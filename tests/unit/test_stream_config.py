@@ -83,8 +83,8 @@ def test_the_round_schedule_ignores_the_stream_only_limits():
 
 
 def test_continuous_batching_streams_one_prompt_a_chunk_with_twice_the_engine_slots_ordered():
-    from colossal_rl.actor_groups import producer_concurrency
-    from colossal_rl.stream_loop import stream_settings
+    from colossal_rl.driver.actor_groups import producer_concurrency
+    from colossal_rl.driver.stream_loop import stream_settings
 
     config = config_of([*STREAM, "--continuous-batching", "-imbs", "4"])
     assert config.generation.continuous_batching
@@ -97,7 +97,7 @@ def test_continuous_batching_streams_one_prompt_a_chunk_with_twice_the_engine_sl
 
 def test_continuous_batching_takes_either_backend():
     """vLLM's engine is fed prompt by prompt (``rollout/vllm_continuous.py``): the same chunks and concurrency."""
-    from colossal_rl.actor_groups import producer_concurrency
+    from colossal_rl.driver.actor_groups import producer_concurrency
 
     config = config_of([*STREAM, "--continuous-batching", "-b", "vllm", "-imbs", "4"])
     assert (config.generation.backend, config.generation.continuous_batching) == ("vllm", True)

@@ -1,4 +1,4 @@
-"""The streaming driver loop's pure parts (``colossal_rl/stream_loop.py``): how many steps a run has, the
+"""The streaming driver loop's pure parts (``colossal_rl/driver/stream_loop.py``): how many steps a run has, the
 scheduler settings a config makes, a step's schedule metrics, and what a failed sync without a producer death
 does. The loop itself runs in tests/e2e/test_streaming_e2e.py."""
 
@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from colossal_rl import stream_loop
-from colossal_rl.actor_groups import ActorId, Call, RunFailed
 from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, ScheduleConfig, TrainConfig
 from colossal_rl.data import DataError
+from colossal_rl.driver import stream_loop
+from colossal_rl.driver.calls import ActorId, Call, RunFailed
+from colossal_rl.driver.stream_loop import StreamLoop, Waiting, step_metrics, stream_settings, stream_total_steps
 from colossal_rl.schedule.events import StepOrder, TrainGroup
-from colossal_rl.stream_loop import StreamLoop, Waiting, step_metrics, stream_settings, stream_total_steps
 
 
 def config(**schedule) -> RLConfig:

@@ -386,7 +386,8 @@ def test_lora_all_linear_adapts_the_language_model_only_and_its_adapter_dir_says
     from transformers import AutoModelForImageTextToText
 
     from colossal_rl.config import TrainConfig
-    from colossal_rl.training.lora import adapter_state_dict, add_lora_adapters, write_adapter_dir
+    from colossal_rl.lora_weights import adapter_state_dict
+    from colossal_rl.training.lora import add_lora_adapters, write_adapter_dir
 
     def load():
         return AutoModelForImageTextToText.from_pretrained(vlm_dir).eval()

@@ -28,18 +28,20 @@ from colossal_rl.rollout import backend as backend_module
 from colossal_rl.rollout.backend import (
     BackendUnavailableError,
     SamplingSettings,
-    create_backend,
     eval_sampling,
     train_sampling,
 )
+from colossal_rl.rollout.backend_factory import create_backend
 from colossal_rl.rollout.vllm_backend import (
     DEFAULT_IMAGES_PER_PROMPT,
-    collapse_image_pads,
     engine_kwargs,
-    image_requests,
-    image_token_counts,
     max_model_len,
     pad_and_eos_token_ids,
+)
+from colossal_rl.rollout.vllm_requests import (
+    collapse_image_pads,
+    image_requests,
+    image_token_counts,
     request_prompts,
     sampled_logprobs,
     sampling_params_kwargs,

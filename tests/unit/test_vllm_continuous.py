@@ -18,8 +18,8 @@ import torch
 
 from colossal_rl.rollout.backend import SamplingSettings
 from colossal_rl.rollout.engine_service import EngineService
-from colossal_rl.rollout.vllm_backend import to_generation_output, vllm_requests
 from colossal_rl.rollout.vllm_continuous import VllmContinuousBatcher, group_of_outputs, output_of_groups
+from colossal_rl.rollout.vllm_requests import to_generation_output, vllm_requests
 
 PAD = 7
 SAMPLED = SamplingSettings(temperature=0.7, max_new_tokens=6)

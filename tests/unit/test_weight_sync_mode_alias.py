@@ -54,7 +54,7 @@ def test_the_flag_takes_the_old_name_with_one_warning_and_offers_only_the_new(ca
 
 def test_an_old_runs_config_file_still_resumes_with_files(tmp_path, caplog):
     """An old run directory: its ``config.yaml`` and its checkpoint's ``state.json`` both say ``checkpoint``."""
-    from colossal_rl.run_checkpoints.save_and_resume import checkpoint_to_resume, config_as_json
+    from colossal_rl.driver.save_and_resume import checkpoint_to_resume, config_as_json
 
     saved = resolve(RLConfig())  # what a run writes: the resolved config
     old = config_as_json(saved)
@@ -96,7 +96,7 @@ def test_a_wrong_mode_is_refused_naming_the_field(tmp_path, capsys):
 def test_auto_is_shm_on_gpu_clusters_and_broadcast_on_cpu_ones():
     """Producers on the sender's GPU node need no NCCL group with the trainers (README, "Running on GPUs")."""
     from colossal_rl.config import resolve_weight_sync_mode
-    from colossal_rl.placement import resolve_sync_mode_for_cluster
+    from colossal_rl.driver.placement import resolve_sync_mode_for_cluster
 
     assert resolve_weight_sync_mode("auto", on_gpu=True) == "shm"
     assert resolve_weight_sync_mode("auto", on_gpu=False) == "broadcast"

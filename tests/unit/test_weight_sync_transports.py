@@ -20,12 +20,11 @@ from colossal_rl.comm.ray_nccl_group import RayNcclGroup
 from colossal_rl.comm.weight_sync.bucketed import host_as_sender, join_as_receiver
 from colossal_rl.comm.weight_sync.transports import (
     WEIGHT_SYNC_TRANSPORTS,
-    check_transport_for_cluster,
     create_group,
     transport_backend,
 )
 from colossal_rl.config import ConfigError, RunConfig, WeightSyncBackend
-from colossal_rl.placement import PlacementError
+from colossal_rl.driver.placement import PlacementError, check_transport_for_cluster
 from rl_example import UsageError, build_parser, config_from_args
 
 

@@ -8,7 +8,7 @@ import sys
 
 IMPORT_THE_TRAINER_STACK = """
 import psutil
-from colossal_rl.actors import _configure_worker
+from colossal_rl.driver.actors import _configure_worker
 _configure_worker(1)
 import colossalai.booster.plugin  # imports torch._inductor, whose import starts torch's warm compile pool
 import colossal_rl.training.trainer

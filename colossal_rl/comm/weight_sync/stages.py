@@ -1,9 +1,13 @@
-"""Which trainer sends which pipeline stage's weights, and the name of each stage's sync group.
+"""Which trainer sends which pipeline stage's weights, the name of each stage's sync group, and which transports
+carry CUDA tensors only.
 
 Pure functions, no torch: the driver uses them to wire the weight sync before any weights move.
 """
 
 from __future__ import annotations
+
+GPU_ONLY_TRANSPORTS = frozenset({"ray_nccl"})
+"""Weight-sync transports (``--weight-sync-backend``) that carry CUDA tensors only."""
 
 
 def stage_group_name(stage: int) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from colossal_rl.comm.process_group import Backend, Collective, backend_for_device, create_standalone_group
 from colossal_rl.comm.ray_nccl_group import create_ray_nccl_group
-from colossal_rl.placement import GPU_ONLY_TRANSPORTS, check_transport_for_cluster  # noqa: F401  (re-exported)
+from colossal_rl.comm.weight_sync.stages import GPU_ONLY_TRANSPORTS
 
 GroupFactory = Callable[..., Collective]
 """``factory(rank=, world_size=, host=, port=, timeout_s=, name=, device=)``: every member calls it at once."""

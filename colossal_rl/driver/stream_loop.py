@@ -1,4 +1,4 @@
-"""The streaming schedule's driver loop (``--schedule stream``, issue 35), beside ``launch.Driver.run``'s rounds.
+"""The streaming schedule's driver loop (``--schedule stream``, issue 35), beside ``run.Driver.run``'s rounds.
 
 The decisions are ``schedule/streaming.py``'s ``StreamingScheduler``; this loop only carries them out and
 reports back. After every event, in this order: order the due weight sync (``push_weights`` on the trainers,
@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any
 import ray
 from tqdm import tqdm
 
-from colossal_rl.actor_groups import Calls, RunFailed, call_outcome, gather
-from colossal_rl.actor_messages import ChunkResult, StepResult
 from colossal_rl.comm.buffer import GroupRef
 from colossal_rl.comm.token_balance import step_shares
+from colossal_rl.driver.actor_groups import chunks_in_flight
+from colossal_rl.driver.actor_messages import ChunkResult, StepResult
+from colossal_rl.driver.calls import Calls, RunFailed, call_outcome, gather
+from colossal_rl.driver.producer_restarts import redo_lost
+from colossal_rl.driver.save_and_resume import save_run
 from colossal_rl.metrics import merge_rank_step_metrics
-from colossal_rl.producer_restarts import redo_lost
-from colossal_rl.run_checkpoints.save_and_resume import save_run
 from colossal_rl.run_outputs import write_rollout_samples
 from colossal_rl.schedule.events import ChunkOrder, StepOrder, TrainGroup
 from colossal_rl.schedule.prompts import shuffled_rows
@@ -44,7 +45,7 @@ from colossal_rl.schedule.streaming import StreamingScheduler, StreamingSettings
 
 if TYPE_CHECKING:
     from colossal_rl.config import RLConfig
-    from colossal_rl.launch import Driver
+    from colossal_rl.driver.run import Driver
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +63,6 @@ def stream_total_steps(config: RLConfig, num_rows: int) -> int:
             f"trains (dp {config.parallel.dp_size} x -tbs {config.train.batch_size})"
         )
     return steps if config.schedule.max_steps is None else min(steps, config.schedule.max_steps)
-
-
-def chunks_in_flight(config: RLConfig) -> int:
-    """Chunks ordered to one producer at a time: one running and one queued; with continuous batching (one prompt
-    a chunk) twice the engine's prompt slots, so a freed slot always finds a prompt waiting."""
-    return 2 * config.generation.microbatch_size if config.generation.continuous_batching else 2
 
 
 def stream_settings(config: RLConfig, total_steps: int) -> StreamingSettings:

@@ -4,7 +4,7 @@ that round is trained, and the eval before training until it is logged.
 The rules, kept by the methods (``tests/unit/test_pending_calls.py``):
 - A set of calls is either *in the table* or *taken out* by whoever waits on it (``take_round``,
   ``take_eval_before``). After a producer restart, ``redo_lost`` makes the lost calls *in the table* again, once;
-  a taken set is never touched — its waiter re-issues what it lost itself (``launch.Driver._gather``). So no
+  a taken set is never touched — its waiter re-issues what it lost itself (``run.Driver._gather``). So no
   call is made twice by both.
 - A round is submitted once; submitting it again is a bug in the schedule and raises.
 - ``settle`` waits on every round in the table (in round order, each taken out while waited on) and puts back its
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from colossal_rl.actor_groups import Call, Calls
+from colossal_rl.driver.calls import Call, Calls
 
 RedoLost = Callable[[Calls], Calls]
 """The calls, each lost one (its actor died and was restarted) made again."""

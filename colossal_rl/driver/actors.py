@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from colossal_rl.actor_groups import ProducerRestarted
-from colossal_rl.actor_messages import ChunkResult, ProducerReady, RoundResult, StepResult, TrainerReady
 from colossal_rl.comm.buffer import Assignment, BufferSnapshot, GroupRef, RoundBuffer
 from colossal_rl.config import RLConfig
+from colossal_rl.driver.actor_messages import ChunkResult, ProducerReady, RoundResult, StepResult, TrainerReady
+from colossal_rl.driver.calls import ProducerRestarted
 from colossal_rl.profiling import PhaseRecorder
 
 if TYPE_CHECKING:  # torch is imported by the producer and trainer actors only: the driver and buffer never need it

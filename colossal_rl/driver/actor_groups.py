@@ -1,135 +1,19 @@
-"""The driver's view of its actors: one group of producers, one of trainers, and waiting on their calls.
+"""The driver's view of its actors: one group of producers, one of trainers, and creating them.
 
 A group's methods are the remote calls the driver makes, each named once here, and each returns
-:data:`Calls`: ``(who, ref)`` pairs that :func:`gather` waits for — always with a timeout, failing
-fast with a message that names the actors that failed or hung. Torch-free: the driver imports it.
+:data:`~colossal_rl.driver.calls.Calls`: ``(who, ref)`` pairs that ``calls.gather`` waits for. Torch-free: the
+driver imports it.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import ray
 
-
-class ActorId(NamedTuple):
-    """Which actor: its kind (``"producer"``, ``"trainer"``) and rank."""
-
-    kind: str
-    rank: int
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.rank}"
-
-
-class Call(NamedTuple):
-    """One remote call in flight: which actor and method, its result, and how to make the same call again (on a
-    restarted actor). ``None`` for ``redo``: a call that cannot be made again (a result already in hand)."""
-
-    actor: ActorId
-    method: str
-    ref: ray.ObjectRef
-    redo: Callable[[], ray.ObjectRef] | None = None
-
-    @property
-    def name(self) -> str:
-        """For messages: ``"producer 1 (produce)"``."""
-        return f"{self.actor} ({self.method})"
-
-    def again(self) -> Call:
-        """The same call made again (on the actor Ray restarted)."""
-        if self.redo is None:
-            raise ValueError(f"{self.name} cannot be made again")
-        return self._replace(ref=self.redo())
-
-
-Calls = list[Call]
-
-
-class RunFailed(RuntimeError):
-    """The run stopped because an actor failed or did not answer in time; the message names it.
-
-    ``outcomes``: for each actor whose call failed in the wait, ``"died"`` (its process is gone), ``"restarted"``
-    (the call reached a restarted producer not yet given its weights) or ``"failed"``."""
-
-    def __init__(self, message: str, outcomes: dict[ActorId, str] | None = None):
-        super().__init__(message)
-        self.outcomes = outcomes or {}
-
-    def any_died(self, kind: str) -> bool:
-        return any(actor.kind == kind and outcome == "died" for actor, outcome in self.outcomes.items())
-
-
-class ProducerRestarted(RuntimeError):
-    """A call reached a producer that Ray restarted after it died, before the driver gave it its weights back."""
-
-
-def _last_line(error: BaseException) -> str:
-    """The final line of a (possibly remote) exception: the error itself, without the traceback wall."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
-
-
-def call_outcome(ref: ray.ObjectRef) -> tuple[str, str | None]:
-    """(``"ok"``, None) or (``"died"`` / ``"restarted"`` / ``"failed"``, the error's last line) of a finished call."""
-    try:
-        ray.get(ref)
-    except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as error:
-        return "died", _last_line(error)
-    except ProducerRestarted as error:
-        return "restarted", _last_line(error)
-    except Exception as error:
-        return "failed", _last_line(error)
-    return "ok", None
-
-
-def _message(name: str, outcome: str, detail: str | None) -> str:
-    return f"{name} {'died' if outcome == 'died' else 'failed'}: {detail}"
-
-
-def gather(calls: Calls, timeout_s: float, settle_s: float = 3.0) -> list:
-    """Results of the calls in order; raises :class:`RunFailed` naming the actors that failed or hung.
-
-    Fails fast: the first failure ends the wait, even while other actors are still blocked (e.g. a
-    trainer waiting for rollouts from the producer that just died). Failures that follow within
-    ``settle_s`` are reported too, dead actors first: they are the cause, their peers the symptom.
-    """
-    by_ref = {call.ref: call for call in calls}
-    pending = list(by_ref)
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            late = [by_ref[ref].name for ref in pending]
-            raise RunFailed(f"no answer within {timeout_s:.0f}s from: {', '.join(late)}")
-        first = call_outcome(ready[0])
-        if first[0] != "ok":
-            more, _ = ray.wait(pending, num_returns=len(pending), timeout=settle_s) if pending else ([], [])
-            outcomes = {by_ref[ready[0]]: first} | {by_ref[ref]: call_outcome(ref) for ref in more}
-            failures = [(call, o, d) for call, (o, d) in outcomes.items() if o != "ok"]
-            failures.sort(key=lambda failure: failure[1] != "died")
-            message = "; ".join(_message(call.name, o, d) for call, o, d in failures)
-            raise RunFailed(message, {call.actor: o for call, o, _ in failures})
-    return ray.get([call.ref for call in calls])
-
-
-def gather_groups(groups: Sequence[Calls], timeout_s: float) -> list[list]:
-    """:func:`gather` of several groups' calls at once (one wait, failing fast on any); the results per group."""
-    return split_results(gather([call for calls in groups for call in calls], timeout_s), groups)
-
-
-def split_results(results: list, groups: Sequence[Calls]) -> list[list]:
-    """``results`` of the calls of ``groups`` laid end to end, cut back into one list per group."""
-    if len(results) != sum(len(calls) for calls in groups):
-        raise ValueError(f"{len(results)} results for {sum(len(calls) for calls in groups)} calls")
-    cut, start = [], 0
-    for calls in groups:
-        cut.append(results[start : start + len(calls)])
-        start += len(calls)
-    return cut
+from colossal_rl.driver.calls import ActorId, Call, Calls
 
 
 class ActorGroup:
@@ -238,13 +122,17 @@ class TrainerGroup(ActorGroup):
         return self._each("export_model", lambda actor: actor.export_model.remote(directory))
 
 
+def chunks_in_flight(config) -> int:
+    """Chunks the stream loop orders to one producer at a time: one running and one queued; with continuous
+    batching (one prompt a chunk) twice the engine's prompt slots, so a freed slot always finds a prompt waiting."""
+    return 2 * config.generation.microbatch_size if config.generation.continuous_batching else 2
+
+
 def producer_concurrency(config) -> int:
     """Calls a producer runs at once: 1 (in order) unless continuous batching, whose chunks (up to
-    ``stream_loop.chunks_in_flight``) feed one shared engine, beside a sync, an eval and small calls."""
+    :func:`chunks_in_flight`) feed one shared engine, beside a sync, an eval and small calls."""
     if not config.generation.continuous_batching:
         return 1
-    from colossal_rl.stream_loop import chunks_in_flight
-
     return chunks_in_flight(config) + 4
 
 
@@ -265,8 +153,8 @@ def actor_environments(backend: str, *, on_gpu: bool) -> tuple[dict, dict]:
 
 def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
     """Create the run's buffer, producers and trainers where the placement puts them (not waiting for them)."""
-    from colossal_rl.actors import BufferActor, ProducerActor, TrainerActor
-    from colossal_rl.placement import actor_options, threads_per_actor, trainer_master_port, trainers_use_gpus
+    from colossal_rl.driver.actors import BufferActor, ProducerActor, TrainerActor
+    from colossal_rl.driver.placement import actor_options, threads_per_actor, trainer_master_port, trainers_use_gpus
     from colossal_rl.producer_env import check_interpreter_on_nodes
 
     sched, par = config.schedule, config.parallel
@@ -303,7 +191,7 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
     )
     producers = ProducerGroup(
         # A producer that dies is restarted by Ray (constructor again, same arguments); its calls in flight fail
-        # and the driver re-issues them once it has its weights back (launch.Driver._recover_producers).
+        # and the driver re-issues them once it has its weights back (``producer_restarts.py``).
         ProducerActor.options(
             **placement.producers[rank],
             max_restarts=config.run.max_actor_restarts,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import ray
 
-from colossal_rl.actor_groups import ActorId, Call, Calls, ProducerGroup, TrainerGroup, gather
 from colossal_rl.config import ConfigError, RLConfig
+from colossal_rl.driver.actor_groups import ProducerGroup, TrainerGroup
+from colossal_rl.driver.calls import ActorId, Call, Calls, gather
 from colossal_rl.run_checkpoints import on_disk as ckpt
 from colossal_rl.run_checkpoints.on_disk import RunProgress
 

@@ -1,7 +1,7 @@
 """Surviving producer deaths (``--max-actor-restarts``): which producers Ray restarted behind a failed wait, and
 giving a restarted producer the weights of the last completed sync.
 
-The driver (``launch.Driver._gather``) owns the schedule: it decides that a dead trainer ends the run, and it
+The driver (``run.Driver._gather``) owns the schedule: it decides that a dead trainer ends the run, and it
 re-issues the calls a dead producer lost. This module knows the producers' processes (pid, node), counts their
 restarts against the budget, and ends the run naming the budget when it is used up. Torch-free.
 """
@@ -13,8 +13,9 @@ import time
 
 import ray
 
-from colossal_rl.actor_groups import Call, Calls, ProducerGroup, RunFailed, call_outcome, gather
-from colossal_rl.actor_messages import ProducerReady
+from colossal_rl.driver.actor_groups import ProducerGroup
+from colossal_rl.driver.actor_messages import ProducerReady
+from colossal_rl.driver.calls import Call, Calls, RunFailed, call_outcome, gather
 
 logger = logging.getLogger(__name__)
 PRODUCER = ProducerGroup.kind

@@ -1,4 +1,5 @@
-"""The driver: place the actors, run the round schedule, log, shut down — on one screen.
+"""The driver of a started run (:class:`Driver`): its actors, the weight sync, evals, checkpoints, export, shut
+down, and the round schedule's loop (``--schedule stream`` runs ``stream_loop.py``'s on the same ``Driver``).
 
 Schedule (deterministic, so staleness is exact and a run is reproducible):
   producers generate round r with weights version max(0, r - n_behind);
@@ -11,7 +12,6 @@ the schedule; the driver only waits (always with a timeout) for results and fail
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -24,59 +24,28 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from colossal_rl.actor_groups import (
-    Calls,
-    RunFailed,
-    TrainerGroup,
-    gather,
-    gather_groups,
-    spawn_actors,
-)
-from colossal_rl.actor_messages import RoundResult
 from colossal_rl.comm.weight_sync.modes import plan_routes
 from colossal_rl.comm.weight_sync.stages import stage_senders
 from colossal_rl.config import RLConfig
-from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
-from colossal_rl.local_ray import shutdown_local_ray
+from colossal_rl.config_files import CONFIG_FILE
+from colossal_rl.driver.actor_groups import TrainerGroup, spawn_actors
+from colossal_rl.driver.actor_messages import RoundResult
+from colossal_rl.driver.calls import Calls, RunFailed, gather, gather_groups
+from colossal_rl.driver.pending_calls import PendingCalls
+from colossal_rl.driver.placement import check_transport_for_cluster, resolve_sync_mode_for_cluster
+from colossal_rl.driver.producer_restarts import ProducerRestarts, redo_lost
+from colossal_rl.driver.save_and_resume import checkpoints_dir, restore_run, save_run
 from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
-from colossal_rl.pending_calls import PendingCalls
-from colossal_rl.placement import (
-    check_transport_for_cluster,
-    resolve_precision_for_cluster,
-    resolve_sync_mode_for_cluster,
-)
-from colossal_rl.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.rollout.eval_result import aggregate_eval
 from colossal_rl.run_checkpoints import on_disk as ckpt
 from colossal_rl.run_checkpoints.on_disk import RunProgress
-from colossal_rl.run_checkpoints.save_and_resume import checkpoint_to_resume, checkpoints_dir, restore_run, save_run
-from colossal_rl.run_outputs import (
-    eval_dir,
-    prepare_eval_dir,
-    rollout_dir,
-    write_eval_generations,
-    write_failed_marker,
-    write_rollout_samples,
-)
+from colossal_rl.run_outputs import eval_dir, rollout_dir, write_eval_generations, write_rollout_samples
 from colossal_rl.startup import first_round_report, process_started_at, spawn_span
 
 logger = logging.getLogger(__name__)
 FINAL_MODEL_DIR = "final"
 """Inside the run directory: the trained policy as a Hugging Face model (``run.final_export``)."""
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    run_dir: str
-    steps: int
-    rounds: int
-    wall_time_s: float
-    eval_accuracy_before: dict[str, float]
-    eval_accuracy_after: dict[str, float]
-    dropped_stale_groups: int
-    final_model_dir: str | None = None
-    """The trained policy as a Hugging Face model (``run.final_export``), None when not exported."""
 
 
 def resume_hint(run_dir: Path) -> str:
@@ -85,37 +54,6 @@ def resume_hint(run_dir: Path) -> str:
     if not found:
         return "no checkpoint was saved to resume from (-si/--save-interval 0)"
     return f"resume with: python rl_example.py --config {Path(run_dir) / CONFIG_FILE} -cp {found[-1]}"
-
-
-def init_ray(config: RLConfig) -> None:
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    env = {
-        "RAY_AUTH_MODE": "disabled",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WANDB_MODE": "disabled",
-        "NCCL_CUMEM_ENABLE": "0",
-    }  # fmt: skip  (vLLM sets 0 in the producers: NCCL peers must agree)
-    runtime_env = {"env_vars": env}
-    if config.run.master_address:
-        from colossal_rl.placement import ray_address
-
-        address = ray_address(config.run.master_address)
-        logger.info("joining the Ray cluster at %s", address)
-        ray.init(address=address, _temp_dir=config.run.ray_dir, runtime_env=runtime_env, log_to_driver=True)
-        return
-    num_actors = config.schedule.num_producers + config.parallel.num_trainers + 1
-    # address="local": always a fresh local instance, never a cluster another process happens to have
-    # running on this machine (ray.init() without an address would join it); --master_address joins one.
-    ray.init(
-        address="local",
-        num_cpus=max(num_actors, os.cpu_count() or 1),
-        _temp_dir=config.run.ray_dir,
-        runtime_env=runtime_env,
-        include_dashboard=False,
-        log_to_driver=True,
-    )
 
 
 def total_rounds(config: RLConfig, num_rows: int) -> int:
@@ -524,95 +462,3 @@ class Driver:
 
             for path in remove_leftover_regions(self.run_dir):
                 logger.info("removed the shared-memory weight-sync region %s (its sender did not close it)", path)
-
-
-def make_run_dir(config: RLConfig) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.run.save_dir) / f"{config.run.project.replace(' ', '_')}-{stamp}-{os.getpid()}"
-    run_dir.mkdir(parents=True, exist_ok=False)
-    return run_dir
-
-
-def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
-    """Train with ``config`` (resolved and validated here, with its inputs) and return what happened; Ray is
-    started if needed."""
-    from colossal_rl.config_resolve import resolve
-    from colossal_rl.input_checks import check_inputs
-    from colossal_rl.producer_env import ensure_producer_env
-    from colossal_rl.stream_loop import StreamLoop, stream_total_steps
-
-    startup = PhaseRecorder()
-    startup.add("python+flags", process_started_at(), time.time())
-    started = time.perf_counter()
-    with startup.record("inputs"):
-        config = resolve(config).validate()  # the derived fields: as the command line makes them
-        rows_in_source = check_inputs(config).train_rows
-        stream = config.schedule.mode == "stream"
-        # an upper bound, checked before Ray starts
-        rounds = 0 if stream else total_rounds(config, rows_in_source)
-        steps = stream_total_steps(config, rows_in_source) if stream else 0
-        resume_from, config = checkpoint_to_resume(config)  # --precision auto: the checkpoint's
-        if config.run.eval_save_dir:
-            prepare_eval_dir(
-                Path(config.run.eval_save_dir), overwrite=config.run.overwrite_eval_dir or resume_from is not None
-            )
-        run_dir = make_run_dir(config)
-    if config.generation.backend == "vllm":
-        with startup.record("producer env"):  # built once (minutes), found again in milliseconds
-            ensure_producer_env()
-    started_ray = not ray.is_initialized()
-    with startup.record("ray start"):
-        init_ray(config)
-    driver = metrics = None
-    try:
-        if config.parallel.precision == "auto":  # the device decides; config.yaml holds what was chosen
-            config = resolve_precision_for_cluster(config, ray.nodes())
-            logger.info("training precision %s (--precision auto)", config.parallel.precision)
-        if config.run.weight_sync_mode == "auto":  # shm on GPUs: README, "Running on GPUs"
-            config = resolve_sync_mode_for_cluster(config, ray.nodes())
-            logger.info("weight sync mode %s (--weight-sync-mode auto)", config.run.weight_sync_mode)
-        (run_dir / CONFIG_FILE).write_text(config_to_yaml(config), encoding="utf-8")  # --config takes it back
-        with startup.record("metrics"):
-            metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
-        if stream:
-            logger.info("run directory: %s (stream schedule: %d optimizer steps)", run_dir, steps)
-        else:
-            logger.info(
-                "run directory: %s (%d rounds, %d optimizer steps per round)",
-                run_dir, rounds, config.optimizer_steps_per_round,
-            )  # fmt: skip
-        driver = Driver(config, run_dir, metrics, startup)
-        driver.start(resume_from)
-        if stream:
-            steps = stream_total_steps(config, driver.train_rows)  # over-long prompts were left out
-            resumed = None if resume_from is None else ckpt.load_state(resume_from).stream_schedule
-            if resume_from is not None and resumed is None:
-                raise ckpt.CheckpointError(f"{resume_from}: not a --schedule stream checkpoint")
-            before, after = StreamLoop(driver, steps, resumed).run()
-        else:
-            if driver.train_rows != rows_in_source:  # over-long prompts were left out by the producers
-                rounds = total_rounds(config, driver.train_rows)
-                logger.info("%d training prompts fit -mpt: %d rounds", driver.train_rows, rounds)
-            before, after = driver.run(rounds)
-    except BaseException as error:  # Ctrl-C included: the run directory tells it did not finish
-        write_failed_marker(run_dir, error)
-        raise
-    finally:
-        if driver is not None:
-            driver.shutdown()
-        if metrics is not None:
-            metrics.close()
-        if started_ray and not config.run.master_address:
-            shutdown_local_ray()  # and every process of the local instance gone: nothing of the run outlives it
-        elif started_ray:
-            ray.shutdown()
-    return RunSummary(
-        run_dir=str(run_dir),
-        steps=driver.step,
-        rounds=rounds,
-        wall_time_s=time.perf_counter() - started,
-        eval_accuracy_before=before,
-        eval_accuracy_after=after,
-        dropped_stale_groups=driver.progress.dropped_stale_groups,
-        final_model_dir=None if driver.final_model_dir is None else str(driver.final_model_dir),
-    )

@@ -12,7 +12,7 @@ On a cluster without GPUs the same order is applied to CPUs, as a soft preferenc
 GPUs and Ray may place them elsewhere rather than wait (a CPU actor only needs a CPU to start).
 
 ``plan_placement`` is plain data in, plain data out; ``ActorPlacement.ray_options`` builds the
-``.options(...)`` keyword arguments (importing Ray only then). ``ray_address`` says which cluster to join.
+``.options(...)`` keyword arguments (importing Ray only then).
 """
 
 from __future__ import annotations
@@ -22,33 +22,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from colossal_rl.comm.weight_sync.stages import GPU_ONLY_TRANSPORTS
+
 if TYPE_CHECKING:
     from colossal_rl.config import RLConfig
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 LOCAL_ADDRESS = "127.0.0.1"
-RAY_DEFAULT_PORT = 6379
-"""The port ``ray start --head`` listens on unless given ``--port``."""
-
-
-def ray_address(master_address: str) -> str:
-    """The ``ray.init(address=...)`` of ``--master_address``: ``host`` -> ``host:6379``; ``host:port``,
-    ``[ipv6]:port``, ``auto`` and ``ray://...`` (Ray Client) are kept; a bare IPv6 address gets brackets."""
-    address = master_address.strip()
-    if not address:
-        raise ValueError("--master_address is empty")
-    if address == "auto" or "://" in address:
-        return address
-    if address.startswith("["):
-        return address if "]:" in address else f"{address}:{RAY_DEFAULT_PORT}"
-    if address.count(":") > 1:  # a bare IPv6 address
-        return f"[{address}]:{RAY_DEFAULT_PORT}"
-    if ":" in address:
-        host, port = address.rsplit(":", 1)
-        if not host or not port.isdigit():
-            raise ValueError(f"--master_address {master_address!r}: expected host or host:port")
-        return address
-    return f"{address}:{RAY_DEFAULT_PORT}"
 
 
 class PlacementError(ValueError):
@@ -172,10 +152,6 @@ def resolve_sync_mode_for_cluster(config: RLConfig, ray_nodes: Iterable[Mapping[
     if mode == config.run.weight_sync_mode:
         return config
     return dataclasses.replace(config, run=dataclasses.replace(config.run, weight_sync_mode=mode))
-
-
-GPU_ONLY_TRANSPORTS = frozenset({"ray_nccl"})
-"""Weight-sync transports (``--weight-sync-backend``) that carry CUDA tensors only."""
 
 
 def check_transport_for_cluster(transport: str, ray_nodes: Iterable[Mapping[str, Any]]) -> None:
