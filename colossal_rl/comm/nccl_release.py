@@ -114,7 +114,7 @@ def exchange_releases(
     store: Any, *, rank: int, world_size: int, who: str, release: str | None, timeout_s: float
 ) -> dict[int, tuple[str, str | None]]:
     """Publish this member's ``(who, release)`` in the group's ``store`` and read every member's (each waits at
-    most ``timeout_s`` for the others' keys); the reports, by rank."""
+    most ``timeout_s`` for the others' keys, and returns only once every member has read); the reports, by rank."""
     store.set(f"nccl_release/{rank}", json.dumps([who, release]))
     keys = [f"nccl_release/{member}" for member in range(world_size)]
     store.wait(keys, datetime.timedelta(seconds=timeout_s))
@@ -122,4 +122,8 @@ def exchange_releases(
     for member, key in enumerate(keys):
         member_who, member_release = json.loads(store.get(key))
         reports[member] = (member_who, member_release)
+    # Everyone has read before anyone goes on: rank 0 hosts the store, and a mismatch makes it raise and drop the
+    # store, which would turn the others' reads into connection errors instead of the one-line mismatch.
+    store.set(f"nccl_release_read/{rank}", "1")
+    store.wait([f"nccl_release_read/{member}" for member in range(world_size)], datetime.timedelta(seconds=timeout_s))
     return reports
