@@ -108,7 +108,7 @@ def _check_weight_sync_backend(args: argparse.Namespace) -> None:
 
 
 def _check_master_address(args: argparse.Namespace) -> None:
-    """--master_address must map to a Ray address (host, host:port, auto or ray://...) before Ray starts."""
+    """--master-address must map to a Ray address (host, host:port, auto or ray://...) before Ray starts."""
     if args.master_address is None:
         return
     from colossal_rl.placement import ray_address
