@@ -332,6 +332,22 @@ class AlgorithmConfig:
             "algorithm.dpo_beta",
             f"must be a finite number > 0, got {self.dpo_beta}",
         )
+        self._refuse_what_the_objective_ignores()
+
+    def _refuse_what_the_objective_ignores(self) -> None:
+        """A field set away from its default that this objective never reads is an error, not a silent no-op:
+        ``dpo_beta`` outside the dpo objective, ``old_logprobs`` inside it (DPO has no ratio to pi_old)."""
+        defaults = type(self).__dataclass_fields__
+        _require(
+            self.objective == "dpo" or self.dpo_beta == defaults["dpo_beta"].default,
+            "algorithm.dpo_beta",
+            f"only the dpo objective (the ONLINE_DPO preset) reads it; {self.name} would ignore {self.dpo_beta}",
+        )
+        _require(
+            self.objective != "dpo" or self.old_logprobs == defaults["old_logprobs"].default,
+            "algorithm.old_logprobs",
+            f"the dpo objective has no ratio to pi_old; {self.name} would ignore {self.old_logprobs!r}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,7 +63,7 @@ FLAG_PROBES = {
     "learning_rate": (["-lr", "1e-5"], "train.learning_rate"),
     "kl_coeff": (["-kl", "0.01"], "algorithm.kl_coeff"),
     "old_logprobs": (["--old-logprobs", "behaviour"], "algorithm.old_logprobs"),
-    "dpo_beta": (["--dpo-beta", "0.3"], "algorithm.dpo_beta"),
+    "dpo_beta": (["-a", "ONLINE_DPO", "--dpo-beta", "0.3"], "algorithm.dpo_beta"),
     "ppo_epochs": (["--ppo-epochs", "2"], "train.ppo_epochs"),
     "grad_checkpoint": (["--grad-checkpoint"], "train.gradient_checkpointing"),
     "attn_implementation": (["--attn-implementation", "eager"], "train.attn_implementation"),
