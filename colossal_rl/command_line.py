@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from colossal_rl.config import ConfigError, RLConfig, replace
+from colossal_rl.config import AlgorithmConfig, ConfigError, RLConfig, replace
 from colossal_rl.config_resolve import resolve
 from colossal_rl.flags import FLAG_FIELDS, field_values, flag_defaults, flag_for
 
@@ -108,7 +109,7 @@ def _check_weight_sync_backend(args: argparse.Namespace) -> None:
 
 
 def _check_master_address(args: argparse.Namespace) -> None:
-    """--master_address must map to a Ray address (host, host:port, auto or ray://...) before Ray starts."""
+    """--master-address must map to a Ray address (host, host:port, auto or ray://...) before Ray starts."""
     if args.master_address is None:
         return
     from colossal_rl.ray_address import ray_address
@@ -132,19 +133,32 @@ def _eval_paths(args: argparse.Namespace) -> dict[str, str] | None:
     return mapping
 
 
+def _preset_algorithm(preset: Callable[..., AlgorithmConfig], kl_coeff: float) -> AlgorithmConfig:
+    """The preset given -kl; a -kl the preset drops (DAPO and ONLINE_DPO have no KL term) is refused, not ignored.
+
+    Every preset's KL coefficient is -kl's default (0), so a preset that sets another one was given a -kl on
+    purpose (by the flag or a --config file); running without the penalty asked for would look like a run with it.
+    """
+    algorithm = preset(kl_coeff=kl_coeff)
+    if algorithm.kl_coeff != kl_coeff:
+        raise ConfigError(
+            "algorithm.kl_coeff", f"-a {algorithm.name} has no KL term, so it would ignore {kl_coeff}; leave -kl out"
+        )
+    return algorithm
+
+
 def config_from_args(args: argparse.Namespace) -> RLConfig:
-    """The resolved, validated run config: the algorithm preset (-a, given -kl), then every other flag's field,
-    then the fields a --config file sets without a flag, then :func:`resolve` (the derived fields); errors name
-    the flag."""
+    """The resolved, validated run config: the algorithm preset (-a, given -kl, which it must keep), then every
+    other flag's field, then the fields a --config file sets without a flag, then :func:`resolve` (the derived
+    fields); errors name the flag."""
     from colossal_rl.config_files import ConfigFileError, apply_fields
     from colossal_rl.presets import PRESETS
 
     _check_flags_against_environment(args)
     try:
         values = field_values(args)
-        # The preset decides what to make of -kl (DAPO drops the KL term).
         preset = PRESETS.get(values.pop("algorithm.name"))
-        algorithm = preset(kl_coeff=values.pop("algorithm.kl_coeff"))
+        algorithm = _preset_algorithm(preset, values.pop("algorithm.kl_coeff"))
         values["data.eval_paths"] = _eval_paths(args)
         config = apply_fields(replace(RLConfig(), algorithm=algorithm), values)
         if getattr(args, "config_fields", None):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -35,13 +36,15 @@ EMBEDDED_ARITHMETIC_EVAL_DATA = ASSETS_DIR / "arithmetic" / "eval.jsonl"
 Precision = Literal["fp32", "bf16", "fp16"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
 """``parallel.precision`` as configured: a precision, or ``auto`` (follow the trainers' device)."""
+# Names of registry entries, written here so the config imports no torch (nor reward/); test_config_names.py
+# checks each against its registry: LOSS_AGGREGATIONS, KL_ESTIMATORS, reward.REWARD_TYPES, LR_SCHEDULES,
+# training.sequence_layout.SEQUENCE_LAYOUTS (+ auto), training.objective.OBJECTIVES.
 LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardType = Literal["boxed", "think_answer_tags", "code"]
 LrSchedule = Literal["constant", "cosine"]
+LR_SCHEDULE_NAMES: tuple[str, ...] = typing.get_args(LrSchedule)
 ScheduleMode = Literal["rounds", "stream"]
-LR_SCHEDULE_NAMES: tuple[str, ...] = ("constant", "cosine")
-"""The names of ``training.lr_schedule.LR_SCHEDULES`` (kept here so the config imports no torch; a test checks)."""
 Backend = Literal["transformers", "vllm"]
 OldLogprobs = Literal["recompute", "behaviour"]
 AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
@@ -57,7 +60,6 @@ section's ``__post_init__`` renames them, with one warning, so every way of buil
 TRUNCATED_IS_CAP = 2.0
 """Cap of the truncated importance weight used whenever producers may run behind the trainers."""
 OBJECTIVE_NAMES: tuple[str, ...] = ("policy_gradient", "dpo")
-"""The names of ``training.objective.OBJECTIVES`` (kept here so the config imports no torch; a test checks)."""
 
 
 PACKED_VISION_UNDER_FLASH_ATTENTION = (
@@ -79,6 +81,12 @@ class ConfigError(ValueError):
 def _require(condition: bool, field_path: str, message: str) -> None:
     if not condition:
         raise ConfigError(field_path, message)
+
+
+def _require_choice(value: object, choices: object, field_path: str) -> None:
+    """``value`` is one of the ``Literal`` ``choices`` (the field's annotation: the one list of its names)."""
+    names = typing.get_args(choices)
+    _require(value in names, field_path, f"must be one of {', '.join(map(str, names))}, got {value!r}")
 
 
 def _rename_deprecated_values(section: object, section_path: str) -> None:
@@ -170,11 +178,7 @@ class VllmEngineConfig:
 
     def validate(self) -> None:
         _require(0 < self.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
-        _require(
-            self.weight_receive in ("auto", "workers", "producer"),
-            "generation.vllm.weight_receive",
-            f"must be auto, workers or producer, got {self.weight_receive!r}",
-        )
+        _require_choice(self.weight_receive, WeightReceive, "generation.vllm.weight_receive")
         _require(self.max_model_len is None or self.max_model_len >= 1, "generation.vllm.max_model_len", "must be >= 1")
 
 
@@ -312,11 +316,7 @@ class AlgorithmConfig:
         _require(
             self.truncated_is_cap is None or self.truncated_is_cap >= 1, "algorithm.truncated_is_cap", "must be >= 1"
         )
-        _require(
-            self.old_logprobs in ("recompute", "behaviour"),
-            "algorithm.old_logprobs",
-            f"must be recompute or behaviour, got {self.old_logprobs!r}",
-        )
+        _require_choice(self.old_logprobs, OldLogprobs, "algorithm.old_logprobs")
         _require(
             self.objective in OBJECTIVE_NAMES,
             "algorithm.objective",
@@ -332,6 +332,22 @@ class AlgorithmConfig:
             math.isfinite(self.dpo_beta) and self.dpo_beta > 0,
             "algorithm.dpo_beta",
             f"must be a finite number > 0, got {self.dpo_beta}",
+        )
+        self._refuse_what_the_objective_ignores()
+
+    def _refuse_what_the_objective_ignores(self) -> None:
+        """A field set away from its default that this objective never reads is an error, not a silent no-op:
+        ``dpo_beta`` outside the dpo objective, ``old_logprobs`` inside it (DPO has no ratio to pi_old)."""
+        defaults = type(self).__dataclass_fields__
+        _require(
+            self.objective == "dpo" or self.dpo_beta == defaults["dpo_beta"].default,
+            "algorithm.dpo_beta",
+            f"only the dpo objective (the ONLINE_DPO preset) reads it; {self.name} would ignore {self.dpo_beta}",
+        )
+        _require(
+            self.objective != "dpo" or self.old_logprobs == defaults["old_logprobs"].default,
+            "algorithm.old_logprobs",
+            f"the dpo objective has no ratio to pi_old; {self.name} would ignore {self.old_logprobs!r}",
         )
 
 
@@ -400,17 +416,9 @@ class TrainConfig:
         )
         _require(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _require(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
-        _require(
-            self.lr_schedule in LR_SCHEDULE_NAMES,
-            "train.lr_schedule",
-            f"must be one of {', '.join(LR_SCHEDULE_NAMES)}, got {self.lr_schedule!r}",
-        )
+        _require_choice(self.lr_schedule, LrSchedule, "train.lr_schedule")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _require(
-            self.sequence_layout in ("auto", "padded", "packed", "shared_prompt"),
-            "train.sequence_layout",
-            f"must be auto, padded, packed or shared_prompt, got {self.sequence_layout!r}",
-        )
+        _require_choice(self.sequence_layout, SequenceLayout, "train.sequence_layout")
         _require(
             self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
             "train.max_tokens_per_microbatch",
@@ -422,11 +430,7 @@ class TrainConfig:
             "shared_prompt needs a 4D attention mask, which flash_attention_2 cannot take: use packed "
             "(flash-attention's variable-length path) or attn_implementation sdpa",
         )
-        _require(
-            self.attn_implementation in ("sdpa", "eager", "flash_attention_2"),
-            "train.attn_implementation",
-            f"must be sdpa, eager or flash_attention_2, got {self.attn_implementation!r}",
-        )
+        _require_choice(self.attn_implementation, AttentionImplementation, "train.attn_implementation")
         _require(self.lora_rank >= 0, "train.lora_rank", f"must be >= 0 (0: no LoRA), got {self.lora_rank}")
         _require(
             math.isfinite(self.lora_alpha) and self.lora_alpha > 0,
@@ -469,11 +473,7 @@ class ParallelConfig:
             f"{self.num_trainers} trainers are not divisible by tp*pp = {self.tp_size * self.pp_size}",
         )
         _require(self.zero_stage in (0, 1, 2), "parallel.zero_stage", "must be 0, 1 or 2")
-        _require(
-            self.precision in ("auto", "fp32", "bf16", "fp16"),
-            "parallel.precision",
-            f"must be auto, fp32, bf16 or fp16, got {self.precision!r}",
-        )
+        _require_choice(self.precision, PrecisionChoice, "parallel.precision")
         if self.tp_size > 1 or self.pp_size > 1:  # ColossalAI's HybridParallelPlugin trains these layouts
             _require(
                 self.zero_stage == 0 or self.precision != "fp32",
@@ -632,16 +632,8 @@ class RunConfig:
         _require(self.log_rollout_interval >= 0, "run.log_rollout_interval", "must be >= 0")
         _require(self.timeout_s > 0, "run.timeout_s", "must be > 0")
         _require(self.max_actor_restarts >= 0, "run.max_actor_restarts", "must be >= 0")
-        _require(
-            self.weight_sync_backend in ("torch", "ray_nccl"),
-            "run.weight_sync_backend",
-            f"must be torch or ray_nccl, got {self.weight_sync_backend!r}",
-        )
-        _require(
-            self.weight_sync_mode in ("auto", "broadcast", "shm", "files"),
-            "run.weight_sync_mode",
-            f"must be auto, broadcast, shm or files, got {self.weight_sync_mode!r}",
-        )
+        _require_choice(self.weight_sync_backend, WeightSyncBackend, "run.weight_sync_backend")
+        _require_choice(self.weight_sync_mode, WeightSyncMode, "run.weight_sync_mode")
         _require(self.master_port is None or 0 < self.master_port < 65536, "run.master_port", "must be in 1..65535")
 
 
@@ -812,7 +804,7 @@ class RLConfig:
     def _validate_stream(self) -> None:
         """What ``--schedule stream`` runs with (``driver/stream_loop.py``); the rest fails here, naming it."""
         sched = self.schedule
-        _require(sched.mode in ("rounds", "stream"), "schedule.mode", f"must be rounds or stream, got {sched.mode!r}")
+        _require_choice(sched.mode, ScheduleMode, "schedule.mode")
         if sched.mode != "stream":
             return
         _require(

@@ -1,4 +1,8 @@
-"""Every command-line flag, declared once: its names (ColossalChat's, unchanged) and the config field it sets.
+"""Every command-line flag, declared once: its names (ColossalChat's) and the config field it sets.
+
+A flag's long name is dashed (``--ray-dir``); ColossalChat's underscore spellings (``--ray_dir``,
+``--master_address``, ``--master_port``, ``--enable_profiling``) stay accepted as hidden aliases, so its
+command lines keep working while help lists one spelling per flag.
 
 Everything else about a flag is derived from the field in ``config.py``: the type (int, float, str; ``X | None``
 takes X), the default (``RLConfig()``'s value), the choices (the field's ``Literal``), the help (the field's
@@ -36,6 +40,8 @@ class Flag:
     """None: the field's Literal values (if any)."""
     type: Callable[[str], Any] | None = None
     """None: from the field's annotation."""
+    aliases: tuple[str, ...] = ()
+    """Other spellings accepted but left out of help (ColossalChat's ``--ray_dir`` for ``--ray-dir``)."""
 
     @property
     def destination(self) -> str:
@@ -161,7 +167,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--overwrite-eval-dir",), "run.overwrite_eval_dir", kind="switch"),
     Flag(("-rsd", "--rollout-save-dir"), "run.rollout_save_dir"),
     Flag(("--log-rollout-interval",), "run.log_rollout_interval"),
-    Flag(("--enable_profiling",), "run.enable_profiling", kind="switch"),
+    Flag(("--enable-profiling",), "run.enable_profiling", kind="switch", aliases=("--enable_profiling",)),
     Flag(("-si", "--save-interval"), "run.save_interval"),
     Flag(("--save-limit",), "run.save_limit"),
     Flag(("--no-final-export",), "run.final_export", dest="final_export", kind="off_switch"),
@@ -174,9 +180,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--trainer-threads",), "run.trainer_threads"),
     Flag(("--weight-sync-backend",), "run.weight_sync_backend"),
     Flag(("--weight-sync-mode",), "run.weight_sync_mode"),
-    Flag(("--ray_dir",), "run.ray_dir"),
-    Flag(("--master_address",), "run.master_address"),
-    Flag(("--master_port",), "run.master_port"),
+    Flag(("--ray-dir",), "run.ray_dir", aliases=("--ray_dir",)),
+    Flag(("--master-address",), "run.master_address", aliases=("--master_address",)),
+    Flag(("--master-port",), "run.master_port", aliases=("--master_port",)),
 )
 
 FLAG_FIELDS: dict[str, str] = {flag.destination: flag.field for flag in FLAGS}
@@ -220,6 +226,9 @@ def add_flags(parser: argparse.ArgumentParser, docs: dict[str, str]) -> None:
                     kwargs["metavar"] = "{" + ",".join(shown) + "}"
             kwargs["default"] = field_value(defaults, flag.field)
         parser.add_argument(*flag.names, **kwargs)
+        if flag.aliases:  # the same argument under other names: sets the same destination, no default of its own
+            hidden = {"dest": flag.destination, "help": argparse.SUPPRESS, "default": argparse.SUPPRESS}
+            parser.add_argument(*flag.aliases, **(kwargs | hidden))
 
 
 def field_values(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,14 +28,6 @@ class VisionInputs:
                 f"image_grid_thw describes {patches} patches, pixel_values has {self.pixel_values.shape[0]}"
             )
 
-    @property
-    def num_images(self) -> int:
-        return self.image_grid_thw.shape[0]
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> VisionInputs:
-        pixels = self.pixel_values.to(device) if dtype is None else self.pixel_values.to(device, dtype)
-        return VisionInputs(pixel_values=pixels, image_grid_thw=self.image_grid_thw.to(device))
-
 
 def model_vision_kwargs(per_sample: list[VisionInputs | None], device: torch.device | str, dtype: torch.dtype):
     """The forward's ``pixel_values``/``image_grid_thw`` for samples in row order (samples without images add
@@ -47,7 +39,3 @@ def model_vision_kwargs(per_sample: list[VisionInputs | None], device: torch.dev
         "pixel_values": torch.cat([v.pixel_values for v in present]).to(device, dtype),
         "image_grid_thw": torch.cat([v.image_grid_thw for v in present]).to(device),
     }
-
-
-def grids_per_sample(per_sample: list[VisionInputs | None]) -> list[torch.Tensor | None]:
-    return [None if v is None else v.image_grid_thw for v in per_sample]

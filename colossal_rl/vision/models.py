@@ -17,13 +17,6 @@ def is_vision_language_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def is_vision_language(path: str, *, trust_remote_code: bool = False) -> bool:
-    """Whether the checkpoint at ``path`` (local directory or hub name) is a vision-language model."""
-    from transformers import AutoConfig
-
-    return is_vision_language_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
-
-
 def auto_model_class(config):
     """The ``transformers`` auto class that loads this config's generative model."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText

@@ -12,7 +12,7 @@ import pytest
 
 from colossal_rl.config import EMBEDDED_EVAL_DATA, EMBEDDED_TRAIN_DATA, RLConfig
 from colossal_rl.config_resolve import resolve
-from colossal_rl.presets import algorithm_preset
+from colossal_rl.presets import PRESETS, algorithm_preset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root, not part of the package
@@ -50,10 +50,11 @@ def test_defaults_build_the_default_config():
     assert config.data.eval_paths == (("math", str(EMBEDDED_EVAL_DATA)),)
 
 
-@pytest.mark.parametrize("name", ["GRPO", "DAPO", "RLOO", "REINFORCE_PPB", "DR_GRPO", "GSPO"])
+@pytest.mark.parametrize("name", PRESETS.names())
 def test_every_algorithm_preset_builds_a_valid_config(name):
-    config = config_for("-a", name, "-kl", "0.01", "-mnt", "64", "-nb", "0")
-    assert config.algorithm == algorithm_preset(name, kl_coeff=0.01, max_new_tokens=64, n_behind=0)
+    expected = algorithm_preset(name, kl_coeff=0.01, max_new_tokens=64, n_behind=0)  # DAPO, ONLINE_DPO: no KL
+    config = config_for("-a", name, "-kl", str(expected.kl_coeff), "-mnt", "64", "-nb", "0")
+    assert config.algorithm == expected
     assert config.algorithm.name == name
     assert config.validate() is config
 
@@ -163,6 +164,39 @@ def test_zero_with_tensor_parallelism_asks_for_low_precision():
 @pytest.mark.parametrize("value", ["{not json", '["a.jsonl"]', '{"math": 3}'])
 def test_eval_dataset_must_be_a_json_map(value):
     assert usage_error("-ed", value).startswith("-ed/--eval-dataset must be a JSON map")
+
+
+# --- a flag the preset would ignore is refused in one line naming the flag and the preset ----------------------
+
+
+@pytest.mark.parametrize("preset", ["DAPO", "ONLINE_DPO"])
+def test_kl_is_refused_by_a_preset_without_a_kl_term(preset):
+    assert usage_error("-a", preset, "-kl", "0.01") == (
+        f"-kl/--kl-coeff: -a {preset} has no KL term, so it would ignore 0.01; leave -kl out"
+    )
+    assert config_for("-a", preset, "-kl", "0").algorithm.kl_coeff == 0.0  # what the preset does anyway
+
+
+def test_kl_from_a_config_file_is_refused_naming_the_file(tmp_path):
+    from rl_example import parse_args
+
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  kl_coeff: 0.01\n")
+    with pytest.raises(UsageError, match=r"run\.yaml: algorithm\.kl_coeff / -kl/--kl-coeff: -a DAPO has no KL term"):
+        config_from_args(parse_args(["--config", str(path), "-a", "DAPO"]))
+
+
+def test_dpo_beta_is_refused_outside_online_dpo():
+    message = usage_error("-a", "GRPO", "--dpo-beta", "0.3")
+    assert message == "--dpo-beta: only the dpo objective (the ONLINE_DPO preset) reads it; GRPO would ignore 0.3"
+    assert config_for("-a", "ONLINE_DPO", "--dpo-beta", "0.3").algorithm.dpo_beta == 0.3
+
+
+def test_behaviour_old_logprobs_are_refused_under_online_dpo():
+    assert usage_error("-a", "ONLINE_DPO", "--old-logprobs", "behaviour") == (
+        "--old-logprobs: the dpo objective has no ratio to pi_old; ONLINE_DPO would ignore 'behaviour'"
+    )
+    assert config_for("-a", "GRPO", "--old-logprobs", "behaviour").algorithm.old_logprobs == "behaviour"
 
 
 # --- --help is instant: no heavy imports -------------------------------------------------------------------

@@ -4,6 +4,7 @@
 must change. A new flag without a probe fails ``test_every_flag_has_a_probe``, so its author shows it acts.
 """
 
+import argparse
 import sys
 from functools import reduce
 from pathlib import Path
@@ -40,9 +41,9 @@ FLAG_PROBES = {
     "pipeline_parallel_size": (["-pp", "2", "-t", "2"], "parallel.pp_size"),
     "zero_stage": (["-zero", "1"], "parallel.zero_stage"),
     "precision": (["--precision", "bf16"], "parallel.precision"),
-    "ray_dir": (["--ray_dir", "/tmp/ray_x"], "run.ray_dir"),
-    "master_address": (["--master_address", "10.0.0.1"], "run.master_address"),
-    "master_port": (["--master_port", "31000"], "run.master_port"),
+    "ray_dir": (["--ray-dir", "/tmp/ray_x"], "run.ray_dir"),
+    "master_address": (["--master-address", "10.0.0.1"], "run.master_address"),
+    "master_port": (["--master-port", "31000"], "run.master_port"),
     "backend": (["-b", "vllm"], "generation.backend"),
     "temperature": (["-temp", "0.7"], "generation.temperature"),
     "top_k": (["-topk", "5"], "generation.top_k"),
@@ -62,7 +63,7 @@ FLAG_PROBES = {
     "learning_rate": (["-lr", "1e-5"], "train.learning_rate"),
     "kl_coeff": (["-kl", "0.01"], "algorithm.kl_coeff"),
     "old_logprobs": (["--old-logprobs", "behaviour"], "algorithm.old_logprobs"),
-    "dpo_beta": (["--dpo-beta", "0.3"], "algorithm.dpo_beta"),
+    "dpo_beta": (["-a", "ONLINE_DPO", "--dpo-beta", "0.3"], "algorithm.dpo_beta"),
     "ppo_epochs": (["--ppo-epochs", "2"], "train.ppo_epochs"),
     "grad_checkpoint": (["--grad-checkpoint"], "train.gradient_checkpointing"),
     "attn_implementation": (["--attn-implementation", "eager"], "train.attn_implementation"),
@@ -99,7 +100,7 @@ FLAG_PROBES = {
     "min_lr_ratio": (["--min-lr-ratio", "0.1"], "train.min_lr_ratio"),
     "eval_temperature": (["--eval-temperature", "0.7"], "generation.eval_temperature"),
     "eval_samples": (["--eval-temperature", "0.7", "--eval-samples", "4"], "generation.eval_samples"),
-    "enable_profiling": (["--enable_profiling"], "run.enable_profiling"),
+    "enable_profiling": (["--enable-profiling"], "run.enable_profiling"),
     "max_steps": (["--max-steps", "7"], "schedule.max_steps"),
     "schedule": (["--schedule", "stream"], "schedule.mode"),
     "max_staleness": (["--max-staleness", "2"], "schedule.max_staleness"),
@@ -170,9 +171,34 @@ def test_flag_changes_the_field_it_names(dest, monkeypatch):
 
 def test_master_port_flag_is_validated_and_reaches_the_run_config():
     assert config_for().run.master_port is None
-    assert config_for("--master_port", "31000").run.master_port == 31000
-    with pytest.raises(UsageError, match=r"^--master_port: must be in 1\.\.65535"):
-        config_for("--master_port", "70000")
+    assert config_for("--master-port", "31000").run.master_port == 31000
+    with pytest.raises(UsageError, match=r"^--master-port: must be in 1\.\.65535"):
+        config_for("--master-port", "70000")
+
+
+# ColossalChat's underscore spellings: the same field as the dashed flag, accepted but not listed in help
+UNDERSCORE_ALIASES = {
+    "--ray_dir": (["/tmp/ray_x"], "--ray-dir"),
+    "--master_address": (["10.0.0.1"], "--master-address"),
+    "--master_port": (["31000"], "--master-port"),
+    "--enable_profiling": ([], "--enable-profiling"),
+}
+
+
+@pytest.mark.parametrize("alias", sorted(UNDERSCORE_ALIASES))
+def test_an_underscore_alias_sets_the_field_its_dashed_flag_sets(alias):
+    values, dashed = UNDERSCORE_ALIASES[alias]
+    assert build_parser().parse_args([alias, *values]) == build_parser().parse_args([dashed, *values])
+    assert config_for(alias, *values) == config_for(dashed, *values) != config_for()
+
+
+def test_help_lists_each_flag_dashed_and_no_underscore_spelling():
+    text = build_parser().format_help()
+    for alias, (_, dashed) in UNDERSCORE_ALIASES.items():
+        assert dashed in text and alias not in text
+    long_names = [name for action in build_parser()._actions if action.help != argparse.SUPPRESS
+                  for name in action.option_strings if name.startswith("--")]  # fmt: skip
+    assert [name for name in long_names if "_" in name] == []
 
 
 def test_trainers_meet_on_the_given_port_locally_and_on_a_cluster():

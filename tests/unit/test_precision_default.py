@@ -61,7 +61,7 @@ def test_flash_attention_2_is_refused_with_fp32(monkeypatch):
     assert resolve_precision_for_cluster(flash, ray_nodes(gpus=8)).parallel.precision == "bf16"
     with pytest.raises(PlacementError, match="flash_attention_2 runs in bf16"):
         resolve_precision_for_cluster(flash, ray_nodes(gpus=0))
-    with pytest.raises(ConfigError, match="parallel.precision: must be auto, fp32, bf16 or fp16"):
+    with pytest.raises(ConfigError, match="parallel.precision: must be one of auto, fp32, bf16, fp16"):
         dataclasses.replace(RLConfig().parallel, precision="fp64").validate()
 
 

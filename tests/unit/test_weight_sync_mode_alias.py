@@ -78,7 +78,7 @@ def test_a_wrong_mode_is_refused_naming_the_field(tmp_path, capsys):
     with pytest.raises(ConfigError) as caught:
         RunConfig(weight_sync_mode="disk").validate()  # type: ignore[arg-type]
     assert caught.value.field_path == "run.weight_sync_mode"
-    assert str(caught.value) == "run.weight_sync_mode: must be auto, broadcast, shm or files, got 'disk'"
+    assert str(caught.value) == "run.weight_sync_mode: must be one of auto, broadcast, shm, files, got 'disk'"
 
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  weight_sync_mode: disk\n")

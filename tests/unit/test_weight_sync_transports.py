@@ -97,7 +97,7 @@ def test_launch_refuses_ray_nccl_on_a_cluster_without_gpus():
 
 def test_config_validation_names_the_field():
     RunConfig(weight_sync_backend="ray_nccl").validate()
-    with pytest.raises(ConfigError, match="run.weight_sync_backend: must be torch or ray_nccl, got 'mpi'"):
+    with pytest.raises(ConfigError, match="run.weight_sync_backend: must be one of torch, ray_nccl, got 'mpi'"):
         RunConfig(weight_sync_backend="mpi").validate()  # type: ignore[arg-type]
 
 
