@@ -709,6 +709,14 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_same_groups_get_the_same_advantages_under_rounds_stream_and_continuous_batching[0-reinforce_ppb]",
         ),
     ),
+    Mutation(
+        name="step_moments_summed_over_the_world",
+        why="the step's moments are summed over every trainer: tensor-parallel ranks' copies of a share count twice",
+        path="colossal_rl/training/trainer.py",
+        old="        return torch.tensor(self._global_sums(values.tolist()), dtype=torch.float64)\n",
+        new="        tensor = values.to(self.device)\n        dist.all_reduce(tensor)\n        return tensor.cpu()\n",
+        tests=("tests/dist/test_step_advantages_ranks.py::test_tensor_parallel_ranks_train_on_the_same_advantages",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
