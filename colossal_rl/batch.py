@@ -41,7 +41,9 @@ class RolloutBatch:
     answer_correct: torch.Tensor  # [N]
     loss_mask: torch.Tensor  # [N]
     truncated: torch.Tensor  # [N] bool
-    advantages: torch.Tensor | None = None  # [N], filled by the producer's post-processing
+    advantages: torch.Tensor | None = None
+    """[N], filled by the producer's post-processing: final for group-level estimators; for batch-level ones the
+    per-group part, finished by the trainer over each optimizer step (``training/step_advantages.py``)."""
     old_logprobs: torch.Tensor | None = None
     """[N, R] log-probs of the response tokens under pi_old, the policy the round's first update started from;
     None until the trainer knows them (see ``training/old_logprobs.py``)."""

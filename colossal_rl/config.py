@@ -252,7 +252,8 @@ class AlgorithmConfig:
     name: str = "GRPO"
     """Preset name, for logs."""
     advantage_estimator: str = "grpo"
-    """Name in ``colossal_rl.algorithms.ADVANTAGE_ESTIMATORS``."""
+    """Name in ``colossal_rl.algorithms.ADVANTAGE_ESTIMATORS``. Batch-level ones (in ``BATCH_STAGES``: reinforce,
+    reinforce_ppb, reinforce_ppb_sample) take their batch statistics over each optimizer step's samples."""
     policy_loss: str = "clipped"
     """Name in ``colossal_rl.algorithms.POLICY_LOSSES``."""
     loss_aggregation: LossAggregation = "sample_level"
@@ -301,7 +302,7 @@ class AlgorithmConfig:
     """DPO's beta: how far (in log-ratio to the reference) the policy may move to separate chosen from rejected."""
     mask_zero_advantage: bool = False
     """Samples whose advantage is exactly 0 leave the loss and its denominators (online DPO: the samples
-    that are in no pair)."""
+    that are in no pair). Producer-side: refused with a batch-level estimator."""
 
     def validate(self) -> None:
         _require(self.clip_eps_low >= 0, "algorithm.clip_eps_low", "must be >= 0")

@@ -93,8 +93,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         name="postprocess_ignores_advantage_estimator",
         why="producers compute GRPO advantages whatever the preset configures",
         path="colossal_rl/rollout/postprocess.py",
-        old="estimate = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)",
-        new='estimate = ADVANTAGE_ESTIMATORS.get("grpo")',
+        old="estimate = group_part(algo.advantage_estimator)",
+        new='estimate = group_part("grpo")',
         tests=(
             "tests/unit/test_preset_dispatch.py::test_preset_advantages_are_its_configured_estimator[RLOO]",
             "tests/unit/test_preset_dispatch.py::test_preset_advantages_are_its_configured_estimator[DR_GRPO]",
@@ -283,28 +283,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/unit/test_trainer_old_logprobs.py::test_every_ppo_epoch_uses_the_round_start_policy_as_pi_old",),
     ),
     Mutation(
-        name="batch_std_counts_invalid_samples",
-        why="reinforce_ppb_sample's batch std divides by every sample, masked-out ones too (only zeros were tested)",
+        name="batch_stats_count_invalid_samples",
+        why="reinforce's batch mean and reinforce_ppb_sample's batch std count masked-out samples (as zeros)",
         path="colossal_rl/algorithms/advantages.py",
-        old="    batch_count = valid.sum().float().view(1, 1)\n",
-        new="    batch_count = torch.full((1, 1), float(valid.numel()))\n",
+        old="        if not self.token_weighted or response_lengths is None:\n            return valid\n",
+        new="        if not self.token_weighted or response_lengths is None:\n            return torch.ones_like(valid)\n",
         tests=(
             "tests/unit/test_advantages.py::test_reinforce_ppb_sample_valid_mask_hand_computed",
             "tests/unit/test_advantages.py::test_an_invalid_group_is_as_if_removed[reinforce_ppb_sample]",
-        ),
-    ),
-    Mutation(
-        name="batch_mean_counts_invalid_samples",
-        why="reinforce's batch-mean baseline includes masked-out rewards (they still get advantage 0)",
-        path="colossal_rl/algorithms/advantages.py",
-        old="    grouped, valid = _grouped(rewards, max(rewards.numel(), 1), valid_mask)\n"
-        "    centered, _ = _center(grouped, valid)\n",
-        new="    grouped, valid = _grouped(rewards, max(rewards.numel(), 1), valid_mask)\n"
-        "    centered = torch.where(valid, grouped - grouped.mean(), 0.0)\n",
-        tests=(
             "tests/unit/test_advantages.py::test_reinforce_valid_mask_hand_computed",
             "tests/unit/test_advantages.py::test_an_invalid_group_is_as_if_removed[reinforce]",
-            "tests/unit/test_advantages.py::test_rewards_and_lengths_of_invalid_samples_change_nothing[reinforce]",
         ),
     ),
     Mutation(
@@ -687,6 +675,70 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_vllm_worker_receive.py::"
             "test_a_gpu_workers_join_refuses_buffers_that_do_not_fit_before_allocating_them",
         ),
+    ),
+    # issue 45 item 2: batch-level advantages over the optimizer step
+    Mutation(
+        name="trainer_skips_the_dp_all_reduce",
+        why="each data-parallel rank finishes batch-level advantages over its own share, not the whole step",
+        path="colossal_rl/training/trainer.py",
+        old="batch = step_advantages(batch, self.config.algorithm, self._sum_over_ranks)",
+        new="batch = step_advantages(batch, self.config.algorithm, lambda moments: moments)",
+        tests=("tests/unit/test_step_advantages.py::test_the_trainer_finishes_a_step_over_every_data_parallel_share",),
+    ),
+    Mutation(
+        name="producer_finishes_batch_advantages",
+        why="producers apply the batch stage over their own batch (a round share, a stream chunk, one group)",
+        path="colossal_rl/rollout/postprocess.py",
+        old="estimate = group_part(algo.advantage_estimator)",
+        new="estimate = batch_stage(algo.advantage_estimator) or group_part(algo.advantage_estimator)",
+        tests=(
+            "tests/unit/test_postprocess.py::test_token_weighted_estimator_sees_the_response_lengths",
+            "tests/unit/test_postprocess.py::test_batch_level_estimators_leave_the_batch_statistics_to_the_trainer",
+            "tests/unit/test_step_advantages.py::"
+            "test_same_groups_get_the_same_advantages_under_rounds_stream_and_continuous_batching[0-reinforce_ppb]",
+            "tests/unit/test_step_advantages.py::test_reinforce_ppb_matches_verl_over_the_whole_step[0]",
+        ),
+    ),
+    Mutation(
+        name="trainer_finishes_advantages_per_chunk",
+        why="batch-level advantages are finished per chunk of the step (a mini-batch), not once over the step",
+        path="colossal_rl/training/trainer.py",
+        old="""        batch = step_advantages(batch, self.config.algorithm, self._sum_over_ranks)  # collective for batch-level
+        step_loss, totals = self._step_loss(batch)
+        new_logprobs: list[torch.Tensor | None] = []
+        with self.phases.record("forward_backward"):
+            for chunk in self._chunks(batch):
+""",
+        new="""        step_loss, totals = self._step_loss(batch)
+        new_logprobs: list[torch.Tensor | None] = []
+        with self.phases.record("forward_backward"):
+            for chunk in self._chunks(batch):
+                chunk = step_advantages(chunk, self.config.algorithm, self._sum_over_ranks)
+""",
+        tests=(
+            "tests/unit/test_step_advantages.py::test_the_trainer_finishes_a_step_over_every_data_parallel_share",
+            "tests/unit/test_step_advantages.py::test_every_optimizer_step_of_a_round_is_finished_over_its_own_batch",
+        ),
+    ),
+    Mutation(
+        name="step_advantages_count_masked_out_samples",
+        why="the trainer's batch statistics weigh samples outside loss_mask (infra errors, truncated responses)",
+        path="colossal_rl/training/step_advantages.py",
+        old="weights = stage.weights(batch.advantages, batch.loss_mask, lengths)",
+        new="weights = stage.weights(batch.advantages, None, lengths)",
+        tests=(
+            "tests/unit/test_step_advantages.py::test_the_trainer_finishes_a_step_over_every_data_parallel_share",
+            "tests/unit/test_step_advantages.py::"
+            "test_same_groups_get_the_same_advantages_under_rounds_stream_and_continuous_batching[0-reinforce_ppb]",
+        ),
+    ),
+    Mutation(
+        name="step_moments_summed_over_the_world",
+        why="the step's moments are summed over every trainer: tensor-parallel ranks' copies of a share count twice",
+        path="colossal_rl/training/trainer.py",
+        old="        return torch.tensor(self._global_sums(values.tolist()), dtype=torch.float64)\n",
+        new="        tensor = values.to(self.device)\n        dist.all_reduce(tensor)\n        return tensor.cpu()\n",
+        tests=("tests/dist/test_step_advantages_ranks.py::test_tensor_parallel_ranks_train_on_the_same_advantages",),
     ),
 )
 

@@ -14,6 +14,11 @@ from colossal_rl.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "ADVANTAGE_ESTIMATORS": "colossal_rl.algorithms.advantages",
+    "BATCH_STAGES": "colossal_rl.algorithms.advantages",
+    "BatchStage": "colossal_rl.algorithms.advantages",
+    "batch_moments": "colossal_rl.algorithms.advantages",
+    "batch_stage": "colossal_rl.algorithms.advantages",
+    "group_part": "colossal_rl.algorithms.advantages",
     "dr_grpo_advantages": "colossal_rl.algorithms.advantages",
     "grpo_advantages": "colossal_rl.algorithms.advantages",
     "reinforce_advantages": "colossal_rl.algorithms.advantages",

@@ -9,9 +9,19 @@ nor receive a nonzero advantage. Under the group estimators (grpo, dr_grpo, rloo
 group whose valid rewards are all equal gets exactly zero advantage (never NaN), whatever ``eps`` is;
 ``reinforce_ppb`` re-centres over the batch's tokens afterwards, as verl does, so such a group gets the
 same small value on every sample. Pure torch; no config objects, no distributed code.
+
+Batch-level estimators (reinforce, reinforce_ppb, reinforce_ppb_sample) run in two stages so that their batch
+is the optimizer step's whatever the schedule: a per-group part (``group_part``, run by the producers on
+whatever groups they hold) and a batch stage (``BATCH_STAGES``) over the step's samples. The batch stage needs
+only the additive ``batch_moments`` of the per-group values, so the training layer sums them over its
+data-parallel ranks (as it does its token counts) and every rank finishes its own share with the global
+statistics. Each registered full-batch estimator is the two stages run over one batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -59,26 +69,59 @@ def _divide_by_std(centered: torch.Tensor, count: torch.Tensor, eps: float) -> t
     return centered / torch.where(std > 0, std + eps, 1.0)
 
 
-def _grouped_lengths(response_lengths: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Response lengths [N] as float, shaped as ``like`` ([N / G, G]); ``ValueError`` on a wrong shape."""
-    if response_lengths.shape != (like.numel(),):
-        raise ValueError(f"response_lengths must have shape [{like.numel()}], got {tuple(response_lengths.shape)}")
-    return response_lengths.float().view_as(like)
-
-
 _WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
 
 
-def _token_whiten(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``(x - mean) * rsqrt(var + 1e-8)`` with the ``weights``-weighted mean and Bessel-corrected variance.
+def batch_moments(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[sum w, sum w * x, sum w * x^2]`` in float64: sufficient statistics of a weighted batch.
 
-    A weight is a token count: the statistics equal those over a flat list where ``x_i`` appears ``w_i``
-    times. Entries of weight 0 get 0; a whole batch of at most one token gives zeros.
+    Additive over any split of the batch (producer batches, data-parallel shares), so the training layer sums
+    them over its ranks. float64 keeps the sums of float32 values exact for any practical batch (an all-equal
+    batch then has a mean exactly equal to its values). values, weights [N] -> [3].
     """
-    tokens = weights.sum()
-    mean = (weights * values).sum() / tokens.clamp(min=1)
-    variance = (weights * (values - mean).square()).sum() / (tokens - 1).clamp(min=1)
-    return torch.where(weights > 0, (values - mean) * torch.rsqrt(variance + _WHITEN_EPS), 0.0)
+    values, weights = values.double(), weights.double()
+    return torch.stack([weights.sum(), (weights * values).sum(), (weights * values.square()).sum()])
+
+
+def _weighted_mean_and_variance(moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted mean and Bessel-corrected variance of :func:`batch_moments` (mean 0 without weight; variance
+    0 with at most one unit of weight): the statistics of a flat list where ``x_i`` appears ``w_i`` times."""
+    count, total, squares = moments.double().unbind()
+    mean = total / count.clamp(min=1)
+    deviations = (squares - 2 * mean * total + mean.square() * count).clamp(min=0)  # sum w (x - mean)^2
+    return mean, deviations / (count - 1).clamp(min=1)
+
+
+def whiten_with_moments(values: torch.Tensor, weights: torch.Tensor, moments: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x - mean) * rsqrt(var + 1e-8)`` with the weighted mean and Bessel-corrected variance of ``moments``.
+
+    verl's ``masked_whiten`` when a weight is a token count; ``eps`` is unused (verl's 1e-8 is fixed). Entries of
+    weight 0 get 0; a batch of at most one token gives zeros. values, weights [N], moments [3] -> [N].
+    """
+    mean, variance = _weighted_mean_and_variance(moments)
+    whitened = (values.double() - mean) * torch.rsqrt(variance + _WHITEN_EPS)
+    return torch.where(weights > 0, whitened, 0.0).to(values.dtype)
+
+
+def divide_by_moments_std(
+    values: torch.Tensor, weights: torch.Tensor, moments: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``x / (std + eps)`` with ``std = sqrt(sum w x^2 / (sum w - 1))``: the unbiased std of values already
+    centred (no re-centring). A batch of zeros stays zero even when ``eps == 0``; entries of weight 0 get 0.
+    values, weights [N], moments [3] -> [N]."""
+    count, _, squares = moments.double().unbind()
+    std = (squares / (count - 1).clamp(min=1)).sqrt()
+    scaled = values.double() / torch.where(std > 0, std + eps, 1.0)
+    return torch.where(weights > 0, scaled, 0.0).to(values.dtype)
+
+
+def subtract_moments_mean(
+    values: torch.Tensor, weights: torch.Tensor, moments: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``x - mean_w(x)`` with the weighted mean of ``moments`` (``eps`` is unused); entries of weight 0 get 0, and
+    a batch whose weighted values are all equal gets exactly 0. values, weights [N], moments [3] -> [N]."""
+    mean, _ = _weighted_mean_and_variance(moments)
+    return torch.where(weights > 0, values.double() - mean, 0.0).to(values.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -139,6 +182,90 @@ def rloo_advantages(
     return (centered * count / (count - 1).clamp(min=1)).view(-1)
 
 
+@dataclass(frozen=True)
+class BatchStage:
+    """The batch-level stage of an estimator, and the per-group part it finishes.
+
+    ``group_part`` is estimator-shaped (this module's signature) and sees only each sample's own group, so a
+    producer can run it on any groups it holds; ``finish`` completes the values with the ``batch_moments`` of
+    the whole optimizer step's batch. Calling a stage runs both over one batch: the full-batch estimator.
+    """
+
+    group_part: Callable[..., torch.Tensor]
+    """rewards [N], group_size, eps, valid_mask [N] | None, *, response_lengths [N] | None -> values [N]."""
+    finish: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    """(values [N], weights [N], moments [3] of the step's batch, eps) -> advantages [N]."""
+    token_weighted: bool
+    """A valid sample weighs its response length in the statistics (else 1); an invalid one weighs 0."""
+
+    def weights(
+        self, rewards: torch.Tensor, valid_mask: torch.Tensor | None, response_lengths: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Each sample's weight in the batch statistics, float [N] (``rewards`` [N] gives the count and device)."""
+        n = rewards.numel()
+        valid = torch.ones(n, device=rewards.device) if valid_mask is None else valid_mask.float()
+        if not self.token_weighted or response_lengths is None:
+            return valid
+        if response_lengths.shape != (n,):
+            raise ValueError(f"response_lengths must have shape [{n}], got {tuple(response_lengths.shape)}")
+        return torch.where(valid > 0, response_lengths.float(), 0.0)
+
+    def __call__(
+        self,
+        rewards: torch.Tensor,
+        group_size: int,
+        eps: float,
+        valid_mask: torch.Tensor | None = None,
+        *,
+        response_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        values = self.group_part(rewards, group_size, eps, valid_mask, response_lengths=response_lengths)
+        weights = self.weights(rewards, valid_mask, response_lengths)
+        return self.finish(values, weights, batch_moments(values, weights), eps)
+
+
+BATCH_STAGES: Registry[BatchStage] = Registry("batch advantage stage")
+"""Estimator name -> its batch stage, for the estimators whose statistics span the batch, not only a group."""
+
+
+def batch_stage(name: str) -> BatchStage | None:
+    """The batch stage of estimator ``name``; None for one whose statistics stay within a group."""
+    ADVANTAGE_ESTIMATORS.get(name)  # ValueError naming the known estimators
+    return BATCH_STAGES.get(name) if name in BATCH_STAGES else None
+
+
+def group_part(name: str) -> Callable[..., torch.Tensor]:
+    """What a producer computes for estimator ``name``: the estimator itself, or the per-group part of a
+    batch-level one (the trainer finishes it over the optimizer step's batch)."""
+    stage = batch_stage(name)
+    return ADVANTAGE_ESTIMATORS.get(name) if stage is None else stage.group_part
+
+
+def valid_rewards(
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    response_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """r_i where valid, else 0 (float): REINFORCE's per-group part, nothing to compute within a group.
+    rewards [N], valid_mask [N] -> [N]."""
+    grouped, valid = _grouped(rewards, group_size, valid_mask)
+    return torch.where(valid, grouped, 0.0).view(-1)
+
+
+_REINFORCE_PPB = BATCH_STAGES.register("reinforce_ppb")(
+    BatchStage(group_part=dr_grpo_advantages, finish=whiten_with_moments, token_weighted=True)
+)
+_REINFORCE_PPB_SAMPLE = BATCH_STAGES.register("reinforce_ppb_sample")(
+    BatchStage(group_part=dr_grpo_advantages, finish=divide_by_moments_std, token_weighted=False)
+)
+_REINFORCE = BATCH_STAGES.register("reinforce")(
+    BatchStage(group_part=valid_rewards, finish=subtract_moments_mean, token_weighted=False)
+)
+
+
 @ADVANTAGE_ESTIMATORS.register("reinforce_ppb")
 def reinforce_ppb_advantages(
     rewards: torch.Tensor,
@@ -157,13 +284,10 @@ def reinforce_ppb_advantages(
     Bessel-corrected over tokens and 1e-8 is verl's ``masked_whiten`` constant (OpenRLHF: biased variance,
     ``max(var, 1e-8)``), so ``eps`` is unused. Differences from verl: a group with one valid sample is centred
     to 0 here (verl keeps the raw score of a prompt with a single response), and a batch with one token gives
-    0 (verl raises). Samples without tokens get 0. rewards, valid_mask, response_lengths [N] -> advantages [N].
+    0 (verl raises). Samples without tokens get 0. Stages: ``a`` per group (dr_grpo), whitening over the batch.
+    rewards, valid_mask, response_lengths [N] -> advantages [N].
     """
-    grouped, valid = _grouped(rewards, group_size, valid_mask)
-    centered, _ = _center(grouped, valid)
-    tokens = torch.ones_like(centered) if response_lengths is None else _grouped_lengths(response_lengths, centered)
-    weights = torch.where(valid, tokens, 0.0)
-    return _token_whiten(centered, weights).view(-1)
+    return _REINFORCE_PPB(rewards, group_size, eps, valid_mask, response_lengths=response_lengths)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_ppb_sample")
@@ -180,12 +304,10 @@ def reinforce_ppb_sample_advantages(
     The per-sample variant of ``reinforce_ppb``: no token weighting and no re-centring (the group baseline
     already makes the batch mean of ``a`` zero over samples), so equal-reward groups keep exactly 0. The std
     is the unbiased sample-level batch std of the valid ``a`` — a division: ColossalChat multiplies by the
-    std, a bug. rewards [N], valid_mask [N] -> advantages [N].
+    std, a bug. Stages: ``a`` per group (dr_grpo), the std over the batch. rewards [N], valid_mask [N] ->
+    advantages [N].
     """
-    grouped, valid = _grouped(rewards, group_size, valid_mask)
-    centered, _ = _center(grouped, valid)
-    batch_count = valid.sum().float().view(1, 1)
-    return _divide_by_std(centered.view(1, -1), batch_count, eps).view(-1)
+    return _REINFORCE_PPB_SAMPLE(rewards, group_size, eps, valid_mask, response_lengths=response_lengths)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce")
@@ -201,8 +323,7 @@ def reinforce_advantages(
 
     REINFORCE, Williams 1992, "Simple statistical gradient-following algorithms for connectionist
     reinforcement learning". Unlike the group estimators, a group with equal rewards still gets a
-    nonzero advantage here. rewards [N], valid_mask [N] -> advantages [N].
+    nonzero advantage here. Stages: nothing per group, the mean over the batch. rewards [N], valid_mask [N]
+    -> advantages [N].
     """
-    grouped, valid = _grouped(rewards, max(rewards.numel(), 1), valid_mask)
-    centered, _ = _center(grouped, valid)
-    return centered.view(-1)
+    return _REINFORCE(rewards, max(rewards.numel(), 1), eps, valid_mask, response_lengths=response_lengths)

@@ -1,7 +1,9 @@
 """Producer-side post-processing of a scored rollout batch: shaping, filtering, advantages.
 
 Reads ``AlgorithmConfig`` and applies the registered functions of ``colossal_rl.algorithms`` in the
-order the algorithms define; no branching on the algorithm's name, no communication.
+order the algorithms define; no branching on the algorithm's name, no communication. A producer batch is
+whatever the schedule hands out (a round's share, a stream chunk, one group), so only statistics within a
+group are computed here; batch-level ones are the trainer's, over the optimizer step's batch.
 """
 
 from __future__ import annotations
@@ -9,9 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from colossal_rl.algorithms import (
-    ADVANTAGE_ESTIMATORS,
+    batch_stage,
     dynamic_sampling_group_mask,
     filter_truncated_response,
+    group_part,
     masked_mean,
     soft_over_length_penalty,
 )
@@ -29,9 +32,12 @@ def postprocess_rollout(
     per-response budget, an episode's ``max_total_tokens`` for multi-turn rollouts); (2) truncated responses leave ``loss_mask``;
     (3) dynamic sampling drops groups whose accuracy over loss-masked-in samples lies outside
     ``algo.filter_range`` (before advantages, so batch-level estimators see only kept groups);
-    (4) ``algo.advantage_estimator`` computes advantages over the samples in ``loss_mask`` (token-weighted
-    estimators weigh each by its response length); (5) with ``algo.mask_zero_advantage`` samples whose
-    advantage is exactly 0 leave ``loss_mask`` (online DPO's unpaired samples).
+    (4) ``algo.advantage_estimator`` computes advantages over the samples in ``loss_mask``: the whole estimator
+    when its statistics stay within a group (grpo, dr_grpo, rloo, dpo_pairs), else only its per-group part
+    (``algorithms.advantages.group_part``), which the trainer finishes over the optimizer step's batch
+    (``training/step_advantages.py``); (5) with ``algo.mask_zero_advantage`` samples whose advantage is
+    exactly 0 leave ``loss_mask`` (online DPO's unpaired samples; refused for a batch-level estimator, whose
+    advantages are not final here).
 
     Metrics (floats): ``rollout/reward_mean`` and ``rollout/accuracy`` over samples without infra errors
     (the incoming ``loss_mask``), ``rollout/groups``, ``rollout/groups_filtered``,
@@ -67,7 +73,12 @@ def postprocess_rollout(
         shaped_rewards = shaped_rewards.view(-1, batch.group_size)[kept_groups].view(-1)
         batch = batch.select_groups(kept_groups)
 
-    estimate = ADVANTAGE_ESTIMATORS.get(algo.advantage_estimator)
+    if algo.mask_zero_advantage and batch_stage(algo.advantage_estimator) is not None:
+        raise ValueError(
+            f"algorithm.mask_zero_advantage needs advantages final on the producer; {algo.advantage_estimator}'s "
+            "are finished by the trainer over the optimizer step's batch"
+        )
+    estimate = group_part(algo.advantage_estimator)
     advantages = estimate(
         shaped_rewards,
         batch.group_size,

@@ -1,7 +1,8 @@
 """The training objective: ``AlgorithmConfig`` -> registered loss functions -> one scalar loss.
 
-This is the only place on the training side that reads ``AlgorithmConfig`` to choose math; it looks
-functions up by name in ``colossal_rl.algorithms`` and never branches on the algorithm's name. It holds
+This is the only place on the training side that reads ``AlgorithmConfig`` to choose loss math (the advantage
+estimator's batch stage is ``step_advantages.py``'s); it looks functions up by name in ``colossal_rl.algorithms``
+and never branches on the algorithm's name. It holds
 no state and does no communication: the global token and sample counts come from the caller.
 
 ``OBJECTIVES`` names the objectives (``algorithm.objective``): ``policy_gradient`` (:func:`policy_objective`:

@@ -36,6 +36,7 @@ from colossal_rl.training.lr_schedule import ScheduleHorizon, make_lr_scheduler
 from colossal_rl.training.micro_batch_forward import MicroBatchForward
 from colossal_rl.training.objective import objective_for
 from colossal_rl.training.round_plan import epoch_steps
+from colossal_rl.training.step_advantages import step_advantages
 from colossal_rl.training.step_loss import StepCounts, StepLoss, StepTotals
 from colossal_rl.training.step_runners import PipelineSteps, PlainSteps, step_runner_for
 from colossal_rl.vision.models import is_vision_language_config
@@ -293,10 +294,10 @@ class Trainer:
             plan = epoch_steps(
                 steps, epoch=epoch, seed=self.config.run.seed, round_index=round_index, pad_token_id=self.pad_token_id
             )
-            for index, batch in enumerate(plan):
-                step_metrics, new_logprobs = self._train_step(batch)
+            for index, planned in enumerate(plan):
+                step_metrics, new_logprobs, batch = self._train_step(planned)
                 metrics.append((step_metrics | {"train/epoch": float(epoch)}, batch))
-                if epoch == 0 and index == 0 and batch.old_logprobs is None and new_logprobs is not None:
+                if epoch == 0 and index == 0 and planned.old_logprobs is None and new_logprobs is not None:
                     steps[0] = steps[0].with_old_logprobs(new_logprobs)  # pi_old of the later epochs
         return metrics
 
@@ -335,6 +336,10 @@ class Trainer:
         dist.all_reduce(tensor, group=self.dp_group)
         return tensor.cpu().tolist()
 
+    def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (float64, on the host) summed elementwise over the data-parallel ranks."""
+        return torch.tensor(self._global_sums(values.tolist()), dtype=torch.float64)
+
     def _global_max(self, value: int) -> int:
         """Maximum over the data-parallel ranks, carried on this rank's device."""
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
@@ -346,15 +351,17 @@ class Trainer:
 
         pi_old is ``batch.old_logprobs`` when set, else this step's own forward (detached): right for the
         first step of a round. Every rank of a data-parallel rank's tensor- and pipeline-parallel group gets
-        the same ``batch``.
+        the same ``batch``. Batch-level advantages are finished over the whole step first (every data-parallel
+        rank's share: ``training/step_advantages.py``).
         """
         return self._train_step(batch)[0]
 
-    def _train_step(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor | None]:
+    def _train_step(self, batch: RolloutBatch) -> tuple[dict[str, float], torch.Tensor | None, RolloutBatch]:
         """:meth:`train_step`, also returning the step's log-probs before its update [N, R] on the host
-        (None off the last pipeline stage)."""
+        (None off the last pipeline stage) and the samples as trained (their advantages final)."""
         started = time.perf_counter()
         self.model.train()
+        batch = step_advantages(batch, self.config.algorithm, self._sum_over_ranks)  # collective for batch-level
         step_loss, totals = self._step_loss(batch)
         new_logprobs: list[torch.Tensor | None] = []
         with self.phases.record("forward_backward"):
@@ -386,7 +393,7 @@ class Trainer:
             }
         )
         captured = None if any(part is None for part in new_logprobs) else torch.cat([p.cpu() for p in new_logprobs])
-        return metrics, captured
+        return metrics, captured, batch
 
     def _step_loss(self, batch: RolloutBatch) -> tuple[StepLoss, StepTotals]:
         """The step's loss over its global (trained token, loss sample) counts, and its metrics so far.

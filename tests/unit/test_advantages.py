@@ -3,6 +3,7 @@
 import pytest
 import torch
 from torch.testing import assert_close
+from verl_reference import verl_reinforce_ppb
 
 from colossal_rl.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -63,24 +64,6 @@ def test_reinforce_ppb_hand_computed_whitens_over_tokens():
     assert_close(reinforce_ppb_advantages(10 * rewards, 2, 0.0, response_lengths=lengths), advantages)
 
 
-def _verl_reinforce_ppb(scores, response_mask, index):
-    """verl's compute_reinforce_plus_plus_baseline_outcome_advantage and masked_whiten, transcribed from their
-    math in float64: group mean (a prompt with one response keeps its score), broadcast over the response
-    tokens, whitened with the masked token mean and the Bessel-corrected masked token variance. [N, T]."""
-    scores, mask = scores.double().clone(), response_mask.double()
-    groups = {}
-    for i, prompt in enumerate(index):
-        groups.setdefault(prompt, []).append(i)
-    for members in groups.values():
-        baseline = scores[members].mean() if len(members) > 1 else 0.0
-        scores[members] = scores[members] - baseline
-    tokens = scores[:, None] * mask
-    count = mask.sum()
-    mean = (tokens * mask).sum() / (count + 1e-8)
-    variance = ((tokens - mean).square() * mask).sum() / (count + 1e-8) * count / (count - 1)
-    return (tokens - mean) * torch.rsqrt(variance + 1e-8) * mask
-
-
 def _random_rollout(seed, groups=6, group_size=4, max_tokens=12):
     generator = torch.Generator().manual_seed(seed)
     n = groups * group_size
@@ -97,7 +80,7 @@ def _random_rollout(seed, groups=6, group_size=4, max_tokens=12):
 def test_reinforce_ppb_equals_verl_token_whitening(seed):
     rewards, lengths, mask = _random_rollout(seed)
     index = [i // 4 for i in range(len(rewards))]
-    expected = _verl_reinforce_ppb(rewards, mask, index)
+    expected = verl_reinforce_ppb(rewards, mask, index)
     advantages = reinforce_ppb_advantages(rewards, 4, 1e-6, response_lengths=lengths)
     assert_close((advantages[:, None] * mask).double(), expected, atol=1e-6, rtol=0)
     # the per-sample variant is the old, different formula on unequal lengths
@@ -111,7 +94,7 @@ def test_reinforce_ppb_invalid_samples_are_as_if_removed_from_the_batch(seed):
     valid[[1, 6, 7, 13, 22]] = False  # every group keeps at least two valid samples
     index = [i // 4 for i in range(len(rewards))]
     kept = valid.nonzero().flatten().tolist()
-    expected = _verl_reinforce_ppb(rewards[kept], mask[kept], [index[i] for i in kept])
+    expected = verl_reinforce_ppb(rewards[kept], mask[kept], [index[i] for i in kept])
     advantages = reinforce_ppb_advantages(rewards, 4, 1e-6, valid_mask=valid, response_lengths=lengths)
     assert_close((advantages[kept, None] * mask[kept]).double(), expected, atol=1e-6, rtol=0)
     assert torch.all(advantages[~valid] == 0)

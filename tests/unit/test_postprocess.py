@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from colossal_rl.algorithms import grpo_advantages, reinforce_ppb_advantages
+from colossal_rl.algorithms import dr_grpo_advantages, grpo_advantages, reinforce_ppb_advantages
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import AlgorithmConfig
 from colossal_rl.rollout.postprocess import postprocess_rollout
+from colossal_rl.training.step_advantages import step_advantages
 
 GROUP = 4
 MAX_NEW_TOKENS = 8
@@ -91,10 +92,12 @@ def test_dynamic_sampling_drops_groups_with_uniform_accuracy():
     assert processed.num_groups == 2
     assert processed.prompts == ["prompt 1", "prompt 3"] and processed.data_indices == [1, 3]
     assert processed.responses == [f"response {i}" for i in (4, 5, 6, 7, 12, 13, 14, 15)]
-    # batch-level statistics see only the kept groups: group-centred rewards whitened over their 8 x 3 tokens
-    # (token mean 0; unbiased token variance = 3 * sum(centred^2) / 23 = 3 * 1.75 / 23)
+    # the producer attaches the per-group part (group-centred rewards); the trainer's batch stage sees only the
+    # kept groups: whitened over their 8 x 3 tokens (token mean 0; unbiased variance = 3 * 1.75 / 23)
     centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])
-    assert_close(processed.advantages, centred / (3 * 1.75 / 23 + 1e-8) ** 0.5)
+    assert_close(processed.advantages, centred)
+    finished = step_advantages(processed, algo, lambda moments: moments).advantages
+    assert_close(finished, centred / (3 * 1.75 / 23 + 1e-8) ** 0.5)
     assert metrics["rollout/groups_filtered"] == 2
 
 
@@ -112,8 +115,24 @@ def test_token_weighted_estimator_sees_the_response_lengths():
     rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
     batch = _batch(rewards, rewards, [1, 3, 2, 2, 4, 8, 5, 6])
     processed, _ = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
+    assert_close(processed.advantages, dr_grpo_advantages(batch.rewards, GROUP, algo.advantage_eps))
+    finished = step_advantages(processed, algo, lambda moments: moments).advantages  # the trainer's batch stage
     lengths = torch.tensor([1, 3, 2, 2, 4, 8, 5, 6])
     expected = reinforce_ppb_advantages(batch.rewards, GROUP, algo.advantage_eps, response_lengths=lengths)
-    assert_close(processed.advantages, expected)
+    assert_close(finished, expected)
     unweighted = reinforce_ppb_advantages(batch.rewards, GROUP, algo.advantage_eps)
-    assert not torch.allclose(processed.advantages, unweighted, atol=1e-3)
+    assert not torch.allclose(finished, unweighted, atol=1e-3)
+
+
+def test_batch_level_estimators_leave_the_batch_statistics_to_the_trainer():
+    # reinforce's per-group part is the valid reward itself: the batch mean is the optimizer step's, not this batch's
+    batch = _batch([1.0, 0.0, 3.0, 1.0], [1, 0, 1, 1], [3] * 4, loss_mask=[1, 1, 0, 1])
+    processed, _ = postprocess_rollout(batch, AlgorithmConfig(advantage_estimator="reinforce"), MAX_NEW_TOKENS)
+    assert processed.advantages.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_zero_advantage_masking_is_refused_for_a_batch_level_estimator():
+    algo = AlgorithmConfig(advantage_estimator="reinforce_ppb", mask_zero_advantage=True)
+    batch = _batch([1, 0, 0, 0], [1, 0, 0, 0], [3] * 4)
+    with pytest.raises(ValueError, match="mask_zero_advantage needs advantages final on the producer"):
+        postprocess_rollout(batch, algo, MAX_NEW_TOKENS)

@@ -1,5 +1,5 @@
 """Every preset computes what it configures: its loss and aggregation in the objective, its advantage estimator
-on the producer.
+on the producer (and, for a batch-level estimator, the trainer's finish over the optimizer step).
 
 The loss is compared with an independent re-implementation of each formula from its paper (written here,
 not taken from the registries), on a batch where the new policy differs from pi_old, so that the token
@@ -13,12 +13,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from colossal_rl.algorithms import ADVANTAGE_ESTIMATORS
+from colossal_rl.algorithms import ADVANTAGE_ESTIMATORS, group_part
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import AlgorithmConfig
 from colossal_rl.presets import PRESETS, algorithm_preset
 from colossal_rl.rollout.postprocess import postprocess_rollout
 from colossal_rl.training.objective import policy_objective
+from colossal_rl.training.step_advantages import step_advantages
 
 BATCH, LENGTH = 8, 6
 MAX_NEW_TOKENS = 512  # DAPO's over-length shaping starts at 512 - 128 tokens: these responses get none
@@ -166,8 +167,8 @@ def rollout() -> RolloutBatch:
     )
 
 
-def estimate(name: str, batch: RolloutBatch, eps: float) -> torch.Tensor:
-    return ADVANTAGE_ESTIMATORS.get(name)(
+def estimate(name: str, batch: RolloutBatch, eps: float, estimator=None) -> torch.Tensor:
+    return (estimator or ADVANTAGE_ESTIMATORS.get(name))(
         batch.rewards, batch.group_size, eps, valid_mask=batch.loss_mask, response_lengths=batch.response_mask.sum(-1)
     )
 
@@ -177,6 +178,9 @@ def test_preset_advantages_are_its_configured_estimator(name):
     algo, batch = preset(name), rollout()
     processed, metrics = postprocess_rollout(batch, algo, MAX_NEW_TOKENS)
     assert processed is not None and metrics["rollout/groups_filtered"] == 0
-    assert_close(processed.advantages, estimate(algo.advantage_estimator, batch, algo.advantage_eps))
-    for other in {preset(other).advantage_estimator for other in PRESETS.names()} - {algo.advantage_estimator}:
+    name = algo.advantage_estimator
+    assert_close(processed.advantages, estimate(name, batch, algo.advantage_eps, group_part(name)))  # producer's
+    processed = step_advantages(processed, algo, lambda moments: moments)  # one rank trains the whole step
+    assert_close(processed.advantages, estimate(name, batch, algo.advantage_eps))
+    for other in {preset(other).advantage_estimator for other in PRESETS.names()} - {name}:
         assert not torch.allclose(estimate(other, batch, algo.advantage_eps), processed.advantages, atol=1e-3), other
