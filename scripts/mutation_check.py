@@ -688,6 +688,38 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_a_gpu_workers_join_refuses_buffers_that_do_not_fit_before_allocating_them",
         ),
     ),
+    # issue 45: one sync orchestrator, loop decisions
+    Mutation(
+        name="restored_producer_keeps_the_old_group",
+        why="a restarted producer is given its weights but the next sync reuses the group it left: it hangs",
+        path="colossal_rl/driver/weight_sync.py",
+        old="        self.stale = True\n        return self.producers.restore_weights(",
+        new="        return self.producers.restore_weights(",
+        tests=(
+            "tests/unit/test_weight_sync_orchestrator.py::test_a_restarted_producer_alone_loads_the_retained_copy_and_the_next_sync_forms_the_group_again",
+        ),
+    ),
+    Mutation(
+        name="producers_receive_before_the_trainers_push",
+        why="a sync's receive calls are submitted before the push: the retained copy is read from a producer's result",
+        path="colossal_rl/driver/weight_sync.py",
+        old="return self.trainers.push_weights(version) + self.producers.receive_weights(version)",
+        new="return self.producers.receive_weights(version) + self.trainers.push_weights(version)",
+        tests=(
+            "tests/unit/test_weight_sync_orchestrator.py::test_a_sync_of_every_producer_pushes_from_the_trainers_first_then_the_producers_receive",
+            "tests/unit/test_weight_sync_orchestrator.py::test_a_resume_forms_without_a_copy_then_syncs_every_producer_to_the_checkpoints_version",
+        ),
+    ),
+    Mutation(
+        name="synced_copy_not_kept",
+        why="a completed sync's retained copy is dropped: a restarted producer gets version 0's weights",
+        path="colossal_rl/driver/weight_sync.py",
+        old="        if retained:\n            self.retained_weights = retained\n",
+        new="",
+        tests=(
+            "tests/unit/test_weight_sync_orchestrator.py::test_a_resume_forms_without_a_copy_then_syncs_every_producer_to_the_checkpoints_version",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

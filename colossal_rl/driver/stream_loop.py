@@ -163,10 +163,7 @@ class StreamLoop:
         scheduler, driver = self.scheduler, self.driver
         version = scheduler.sync_due()
         if version is not None and not self._kinds("sync"):
-            if driver.sync.stale:  # a producer restarted since the sync group was formed
-                driver._form_weight_sync(retain=False)
-            self._submit("sync", driver.trainers.push_weights(version) + driver.producers.receive_weights(version),
-                         version)  # fmt: skip
+            self._submit("sync", driver.sync.sync_to(version, reason=f"step {driver.step}"), version)
             scheduler.sync_ordered(version)
         self._order_eval()
         for order in scheduler.admit():
@@ -264,9 +261,8 @@ class StreamLoop:
         driver = self.driver
         ray.wait([call.ref for call in sync.calls], num_returns=len(sync.calls), timeout=driver.timeout)
         self._forget(sync)
-        driver._form_weight_sync(retain=False)
-        version = sync.subject
-        self._submit("sync", driver.trainers.push_weights(version) + driver.producers.receive_weights(version), version)
+        driver.sync.broken()
+        self._submit("sync", driver.sync.sync_to(sync.subject, reason="sync made again"), sync.subject)
 
     def _forget(self, item: Waiting) -> None:
         self.waiting.remove(item)
@@ -280,9 +276,7 @@ class StreamLoop:
             self._step_done(item.subject, results, progress)
         elif item.kind == "sync":
             self.driver.progress.policy_version = item.subject
-            retained = [ref for refs in results[: len(self.driver.trainers)] for ref in refs]
-            if retained:  # with --max-actor-restarts: what a restarted producer is given
-                self.driver.sync.retained_weights = retained
+            self.driver.sync.synced(results)  # with --max-actor-restarts: what a restarted producer is given
             elapsed = time.perf_counter() - item.submitted_at  # from its order: behind queued chunks and a step
             self.driver.metrics.log("sync", item.subject, {"time/sync_s": elapsed})  # at the step of its weights
         else:
