@@ -720,6 +720,56 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_weight_sync_orchestrator.py::test_a_resume_forms_without_a_copy_then_syncs_every_producer_to_the_checkpoints_version",
         ),
     ),
+    Mutation(
+        name="stream_orders_a_second_sync_in_flight",
+        why="the stream loop orders a sync while one is in flight: a trainer overwrites what a producer has not read",
+        path="colossal_rl/driver/stream_loop.py",
+        old='        if version is not None and not self._kinds("sync"):\n',
+        new="        if version is not None:\n",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_one_sync_is_in_flight_at_a_time_and_the_next_one_is_ordered_when_it_answers",
+        ),
+    ),
+    Mutation(
+        name="stream_frees_a_usable_chunk",
+        why="a chunk exactly S versions stale has its payload freed while its groups may still be trained",
+        path="colossal_rl/driver/stream_loop.py",
+        old="result.groups[0].policy_version < oldest_usable]",
+        new="result.groups[0].policy_version <= oldest_usable]",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_a_chunk_exactly_s_versions_stale_keeps_its_payload_and_one_staler_is_freed[1-kept0]",
+        ),
+    ),
+    Mutation(
+        name="stream_loses_a_dead_producers_rows",
+        why="a chunk lost with its producer is forgotten without handing its rows out again: they are never trained",
+        path="colossal_rl/driver/stream_loop.py",
+        old="                self.scheduler.chunk_lost(waiting.subject.chunk_id)\n",
+        new="",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_a_chunk_lost_with_its_producer_hands_its_rows_out_again_first",
+        ),
+    ),
+    Mutation(
+        name="stream_evals_at_the_last_step",
+        why="an -ei eval is ordered at the last step too, beside the run's final eval: the same weights twice",
+        path="colossal_rl/driver/stream_loop.py",
+        old=" or step < progress.next_eval_step or step >= self.total_steps:",
+        new=" or step < progress.next_eval_step:",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_the_eval_is_ordered_behind_the_sync_of_exactly_its_step_and_never_at_the_last[3]",
+        ),
+    ),
+    Mutation(
+        name="checkpoint_one_step_past_its_interval",
+        why="a checkpoint is taken one step after -si is reached, not at it",
+        path="colossal_rl/driver/run.py",
+        old="return last_round or self.step // interval > self.last_saved_step // interval",
+        new="return last_round or (self.step - 1) // interval > self.last_saved_step // interval",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_a_checkpoint_is_due_when_the_interval_is_exactly_reached_or_at_the_last_step[2-0-False-True]",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -138,7 +138,8 @@ class StreamLoop:
             self._decide()
             if self.scheduler.finished and not self._busy_beyond_chunks():
                 break
-            self._answer(self._wait_one(), progress)
+            item = self._wait_one()
+            self._answer(item, gather(item.calls, self.driver.timeout), progress)  # all finished: no wait
         progress.close()
         if driver.step < self.total_steps:
             logger.warning(
@@ -268,8 +269,8 @@ class StreamLoop:
         self.waiting.remove(item)
         self._unanswered.difference_update(call.ref for call in item.calls)
 
-    def _answer(self, item: Waiting, progress) -> None:
-        results = gather(item.calls, self.driver.timeout)  # all finished: no wait
+    def _answer(self, item: Waiting, results: list, progress) -> None:
+        """Report a waited-on item whose calls all finished with ``results`` (their results, in order)."""
         if item.kind == "chunk":
             self._chunk_done(item.subject, results[0])
         elif item.kind == "step":
