@@ -231,7 +231,7 @@ class Driver:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
         (results,) = self._gather(self.producers.evaluate())
-        return self._log_eval(results)
+        return self.log_eval(results)
 
     def _submit_eval_before(self) -> None:
         """Queue the eval of the untrained policy on the producers (once; not on resume)."""
@@ -243,10 +243,10 @@ class Driver:
         calls = self.pending.take_eval_before()
         if calls is not None:
             (results,) = self._gather(calls)
-            self.progress.eval_accuracy_before = self._log_eval(results)
+            self.progress.eval_accuracy_before = self.log_eval(results)
             self.progress.next_eval_step = self.config.run.eval_interval
 
-    def _log_eval(self, results, step: int | None = None) -> dict[str, float]:
+    def log_eval(self, results, step: int | None = None) -> dict[str, float]:
         """Log every task's accuracy (mean@k) over all producers' shares, and pass@k with several samples, at
         ``step`` (the weights' step; None: the current one)."""
         step = self.step if step is None else step
@@ -283,12 +283,12 @@ class Driver:
             self._train_round(round_index, progress)
             self._sync_weights(round_index + 1, reason=f"end of round {round_index}")
             self.progress.next_round = round_index + 1
-            self._collect_profile()
+            self.collect_profile()
             self.metrics.log("sync", self.step, {"time/round_s": time.perf_counter() - round_started})
             last_round = round_index == rounds - 1 or (max_steps is not None and self.step >= max_steps)
             if not last_round:
                 self._maybe_evaluate()
-            if self._checkpoint_due(last_round):
+            if self.checkpoint_due(last_round):
                 self.save_checkpoint()
             if last_round:
                 break
@@ -307,7 +307,7 @@ class Driver:
         trained, produced = self._gather(train_calls, self.pending.take_round(round_index))
         if not self.trace.reported:
             arrivals = ray.get(self.buffer.arrival_times.remote(round_index), timeout=self.timeout)
-            self._report_startup(arrivals, [metrics.get("time/produce_s") for metrics in produced])
+            self.report_startup(arrivals, [metrics.get("time/produce_s") for metrics in produced])
         self._log_eval_before()
         self._log_round(trained, produced, progress)
 
@@ -345,7 +345,7 @@ class Driver:
             progress.set_postfix(reward=f"{merged['train/reward']:.3f}", loss=f"{merged['train/loss']:.4f}")
 
     # ------------------------------------------------------------------ start-up report and profile
-    def _report_startup(self, arrivals: dict[int, float], produce_seconds: list[float | None]) -> None:
+    def report_startup(self, arrivals: dict[int, float], produce_seconds: list[float | None]) -> None:
         """Log and write (``startup.json``) where the time to this run's first round of rollouts went (the stream
         schedule: every producer's first chunk). ``arrivals``: producer rank -> when its rollouts arrived (wall
         clock); ``produce_seconds``: per producer, how long generating them took."""
@@ -363,7 +363,7 @@ class Driver:
         self.metrics.log("startup", self.step, {"time/first_rollout_s": report.time_to_first_rollout_s})
         self.trace.reported = True
 
-    def _collect_profile(self) -> None:
+    def collect_profile(self) -> None:
         if not self.config.run.enable_profiling:
             return
         spans = gather(self.producers.drain_phases() + self.trainers.drain_phases(), self.timeout)
@@ -371,7 +371,7 @@ class Driver:
             append_spans(self.run_dir, actor, actor_spans)
 
     # ------------------------------------------------------------------ checkpoints and the trained model
-    def _checkpoint_due(self, last_round: bool) -> bool:
+    def checkpoint_due(self, last_round: bool) -> bool:
         interval = self.config.run.save_interval
         if not interval:
             return False

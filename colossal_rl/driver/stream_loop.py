@@ -148,7 +148,7 @@ class StreamLoop:
                 self.config.schedule.num_episodes, driver.step, self.total_steps,
                 self.scheduler.counters.filtered_groups, self.scheduler.counters.dropped_stale_groups,
             )  # fmt: skip
-        driver._collect_profile()
+        driver.collect_profile()
         if self.config.run.final_export:
             driver.export_final_model()
         return driver.progress.eval_accuracy_before or {}, driver.evaluate()
@@ -301,7 +301,7 @@ class StreamLoop:
         num_producers = self.config.schedule.num_producers
         if len(self._first_chunks) == num_producers:
             arrivals = {rank: arrived for rank, (arrived, _) in self._first_chunks.items()}
-            self.driver._report_startup(arrivals, [self._first_chunks[rank][1] for rank in range(num_producers)])
+            self.driver.report_startup(arrivals, [self._first_chunks[rank][1] for rank in range(num_producers)])
 
     def _step_done(self, step: StepOrder, results: list[StepResult], progress) -> None:
         self.scheduler.step_done()
@@ -332,7 +332,7 @@ class StreamLoop:
         """Save (``-si``) between two steps: trainers' state and the scheduler's snapshot. The weights the trainers
         hold are version ``step`` here (versions count steps): a resume syncs them as that."""
         driver = self.driver
-        if not driver._checkpoint_due(driver.step >= self.total_steps):
+        if not driver.checkpoint_due(driver.step >= self.total_steps):
             return
         save_run(
             run_dir=driver.run_dir,
@@ -348,7 +348,7 @@ class StreamLoop:
 
     def _eval_done(self, step: int | None, results: list) -> None:
         driver = self.driver
-        accuracy = driver._log_eval(results, step=0 if step is None else step)
+        accuracy = driver.log_eval(results, step=0 if step is None else step)
         if step is None:
             driver.progress.eval_accuracy_before = accuracy
 

@@ -40,7 +40,7 @@ def config(**run) -> RLConfig:
 class FakeDriver:
     """What ``StreamLoop`` uses of a ``Driver``, on fake groups whose every call lands in ``log``."""
 
-    _checkpoint_due = Driver._checkpoint_due
+    checkpoint_due = Driver.checkpoint_due
 
     def __init__(self, config: RLConfig, train_rows: int = 16):
         self.config, self.train_rows, self.timeout = config, train_rows, 1.0
@@ -59,7 +59,7 @@ class FakeDriver:
     def step(self) -> int:
         return self.progress.step
 
-    def _log_eval(self, results, step=None):
+    def log_eval(self, results, step=None):
         self.evals.append(step)
         return {"math": 0.5}
 
@@ -235,7 +235,7 @@ def test_the_eval_is_ordered_behind_the_sync_of_exactly_its_step_and_never_at_th
 def test_a_checkpoint_is_due_when_the_interval_is_exactly_reached_or_at_the_last_step(step, last_saved, last, due):
     driver = FakeDriver(config(save_interval=2))
     driver.progress.step, driver.last_saved_step = step, last_saved
-    assert driver._checkpoint_due(last) is due
+    assert driver.checkpoint_due(last) is due
 
 
 def test_a_checkpoint_between_steps_saves_the_trainers_version_and_the_schedulers_snapshot(monkeypatch):
