@@ -770,6 +770,26 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_stream_loop_decisions.py::test_a_checkpoint_is_due_when_the_interval_is_exactly_reached_or_at_the_last_step[2-0-False-True]",
         ),
     ),
+    Mutation(
+        name="rounds_produce_past_the_last",
+        why="the round loop orders one round more than the run trains: its rollouts are generated for nothing",
+        path="colossal_rl/driver/run.py",
+        old="            if round_index + 1 + n_behind < rounds:\n",
+        new="            if round_index + 1 + n_behind <= rounds:\n",
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::test_the_round_loop_submits_the_schedule_n_behind_rounds_ahead[1]",
+        ),
+    ),
+    Mutation(
+        name="rounds_sync_the_version_already_held",
+        why="after training round r the producers are synced to version r, not r + 1: every round one step staler",
+        path="colossal_rl/driver/run.py",
+        old='self._sync_weights(round_index + 1, reason=f"end of round {round_index}")',
+        new='self._sync_weights(round_index, reason=f"end of round {round_index}")',
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::test_the_round_loop_submits_the_schedule_n_behind_rounds_ahead[0]",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
