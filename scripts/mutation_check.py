@@ -790,6 +790,17 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_round_loop_decisions.py::test_the_round_loop_submits_the_schedule_n_behind_rounds_ahead[0]",
         ),
     ),
+    Mutation(
+        name="stream_lag_read_from_n_behind",
+        why="a stream run's truncated-IS cap follows -nb instead of --max-staleness: on-policy runs get corrected",
+        path="colossal_rl/config.py",
+        old='return self.max_staleness if self.mode == "stream" else self.n_behind',
+        new="return self.n_behind",
+        tests=(
+            "tests/unit/test_config_resolve.py::test_every_derived_field_in_each_schedule_follows_that_schedules_lag[stream-3-0-False]",
+            "tests/unit/test_config_resolve.py::test_every_derived_field_in_each_schedule_follows_that_schedules_lag[stream-0-1-True]",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
