@@ -740,6 +740,119 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="        tensor = values.to(self.device)\n        dist.all_reduce(tensor)\n        return tensor.cpu()\n",
         tests=("tests/dist/test_step_advantages_ranks.py::test_tensor_parallel_ranks_train_on_the_same_advantages",),
     ),
+    # issue 45: one sync orchestrator, loop decisions
+    Mutation(
+        name="restored_producer_keeps_the_old_group",
+        why="a restarted producer is given its weights but the next sync reuses the group it left: it hangs",
+        path="colossal_rl/driver/weight_sync.py",
+        old="        self.stale = True\n        return self.producers.restore_weights(",
+        new="        return self.producers.restore_weights(",
+        tests=(
+            "tests/unit/test_weight_sync_orchestrator.py::test_a_restarted_producer_alone_loads_the_retained_copy_and_the_next_sync_forms_the_group_again",
+        ),
+    ),
+    Mutation(
+        name="producers_receive_before_the_trainers_push",
+        why="a sync's receive calls are submitted before the push: the retained copy is read from a producer's result",
+        path="colossal_rl/driver/weight_sync.py",
+        old="return self.trainers.push_weights(version) + self.producers.receive_weights(version)",
+        new="return self.producers.receive_weights(version) + self.trainers.push_weights(version)",
+        tests=(
+            "tests/unit/test_weight_sync_orchestrator.py::test_a_sync_of_every_producer_pushes_from_the_trainers_first_then_the_producers_receive",
+            "tests/unit/test_weight_sync_orchestrator.py::test_a_resume_forms_without_a_copy_then_syncs_every_producer_to_the_checkpoints_version",
+        ),
+    ),
+    Mutation(
+        name="synced_copy_not_kept",
+        why="a completed sync's retained copy is dropped: a restarted producer gets version 0's weights",
+        path="colossal_rl/driver/weight_sync.py",
+        old="        if retained:\n            self.retained_weights = retained\n",
+        new="",
+        tests=(
+            "tests/unit/test_weight_sync_orchestrator.py::test_a_resume_forms_without_a_copy_then_syncs_every_producer_to_the_checkpoints_version",
+        ),
+    ),
+    Mutation(
+        name="stream_orders_a_second_sync_in_flight",
+        why="the stream loop orders a sync while one is in flight: a trainer overwrites what a producer has not read",
+        path="colossal_rl/driver/stream_loop.py",
+        old='        if version is not None and not self._kinds("sync"):\n',
+        new="        if version is not None:\n",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_one_sync_is_in_flight_at_a_time_and_the_next_one_is_ordered_when_it_answers",
+        ),
+    ),
+    Mutation(
+        name="stream_frees_a_usable_chunk",
+        why="a chunk exactly S versions stale has its payload freed while its groups may still be trained",
+        path="colossal_rl/driver/stream_loop.py",
+        old="result.groups[0].policy_version < oldest_usable]",
+        new="result.groups[0].policy_version <= oldest_usable]",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_a_chunk_exactly_s_versions_stale_keeps_its_payload_and_one_staler_is_freed[1-kept0]",
+        ),
+    ),
+    Mutation(
+        name="stream_loses_a_dead_producers_rows",
+        why="a chunk lost with its producer is forgotten without handing its rows out again: they are never trained",
+        path="colossal_rl/driver/stream_loop.py",
+        old="                self.scheduler.chunk_lost(waiting.subject.chunk_id)\n",
+        new="",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_a_chunk_lost_with_its_producer_hands_its_rows_out_again_first",
+        ),
+    ),
+    Mutation(
+        name="stream_evals_at_the_last_step",
+        why="an -ei eval is ordered at the last step too, beside the run's final eval: the same weights twice",
+        path="colossal_rl/driver/stream_loop.py",
+        old=" or step < progress.next_eval_step or step >= self.total_steps:",
+        new=" or step < progress.next_eval_step:",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_the_eval_is_ordered_behind_the_sync_of_exactly_its_step_and_never_at_the_last[3]",
+        ),
+    ),
+    Mutation(
+        name="checkpoint_one_step_past_its_interval",
+        why="a checkpoint is taken one step after -si is reached, not at it",
+        path="colossal_rl/driver/run.py",
+        old="return last_round or self.step // interval > self.last_saved_step // interval",
+        new="return last_round or (self.step - 1) // interval > self.last_saved_step // interval",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_a_checkpoint_is_due_when_the_interval_is_exactly_reached_or_at_the_last_step[2-0-False-True]",
+        ),
+    ),
+    Mutation(
+        name="rounds_produce_past_the_last",
+        why="the round loop orders one round more than the run trains: its rollouts are generated for nothing",
+        path="colossal_rl/driver/run.py",
+        old="            if round_index + 1 + n_behind < rounds:\n",
+        new="            if round_index + 1 + n_behind <= rounds:\n",
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::test_the_round_loop_submits_the_schedule_n_behind_rounds_ahead[1]",
+        ),
+    ),
+    Mutation(
+        name="rounds_sync_the_version_already_held",
+        why="after training round r the producers are synced to version r, not r + 1: every round one step staler",
+        path="colossal_rl/driver/run.py",
+        old='self._sync_weights(round_index + 1, reason=f"end of round {round_index}")',
+        new='self._sync_weights(round_index, reason=f"end of round {round_index}")',
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::test_the_round_loop_submits_the_schedule_n_behind_rounds_ahead[0]",
+        ),
+    ),
+    Mutation(
+        name="stream_lag_read_from_n_behind",
+        why="a stream run's truncated-IS cap follows -nb instead of --max-staleness: on-policy runs get corrected",
+        path="colossal_rl/config.py",
+        old='return self.max_staleness if self.mode == "stream" else self.n_behind',
+        new="return self.n_behind",
+        tests=(
+            "tests/unit/test_config_resolve.py::test_every_derived_field_in_each_schedule_follows_that_schedules_lag[stream-3-0-False]",
+            "tests/unit/test_config_resolve.py::test_every_derived_field_in_each_schedule_follows_that_schedules_lag[stream-0-1-True]",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

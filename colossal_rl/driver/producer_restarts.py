@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import ray
 
@@ -90,13 +91,13 @@ class ProducerRestarts:
                     continue
                 raise RunFailed(f"{failure}; {self._used_up()}: {error}", error.outcomes) from None
 
-    def restore_weights(self, ranks: list[int], policy_version: int, retained_weights: list) -> None:
-        """Count the restarts of ``ranks`` and give them ``policy_version``'s weights (``retained_weights``: the
-        object-store copies the sync senders kept). A producer killed again meanwhile is restarted again while
+    def restore_weights(self, ranks: list[int], sync_to: Callable[[list[int]], Calls]) -> None:
+        """Count the restarts of ``ranks`` and give them the last synced weights (``sync_to(ranks)``: the calls
+        doing so, ``SyncOrchestrator.sync_to``'s). A producer killed again meanwhile is restarted again while
         its budget allows, and given the weights again; past the budget the run ends naming it."""
         self._count(ranks)
         while True:
-            calls = self.producers.restore_weights(ranks, policy_version, retained_weights)
+            calls = sync_to(ranks)
             try:
                 gather(calls, self.timeout)
                 return

@@ -24,8 +24,6 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from colossal_rl.comm.weight_sync.modes import plan_routes
-from colossal_rl.comm.weight_sync.stages import stage_senders
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE
 from colossal_rl.driver.actor_groups import TrainerGroup, spawn_actors
@@ -35,6 +33,7 @@ from colossal_rl.driver.pending_calls import PendingCalls
 from colossal_rl.driver.placement import check_transport_for_cluster, resolve_sync_mode_for_cluster
 from colossal_rl.driver.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.driver.save_and_resume import checkpoints_dir, restore_run, save_run
+from colossal_rl.driver.weight_sync import SyncOrchestrator
 from colossal_rl.metrics import MetricsLogger, merge_rank_step_metrics
 from colossal_rl.profiling import PhaseRecorder, Span, append_spans
 from colossal_rl.rollout.eval_result import aggregate_eval
@@ -83,22 +82,6 @@ def planned_steps(config: RLConfig, rounds: int) -> int:
 
 
 @dataclass
-class WeightSyncState:
-    """The driver's facts about the weight sync as formed now (not in ``RunProgress``: a resume forms it anew)."""
-
-    senders: list[int] = field(default_factory=list)
-    """Trainer ranks that send the weights, one per pipeline stage."""
-    trainer_nodes: list[str] = field(default_factory=list)
-    """Ray node ids (by rank): whether a producer can read a sender's shared memory (``--weight-sync-mode``)."""
-    formations: int = 0
-    """Times the sync was formed (each formation gets fresh region names and file prefixes)."""
-    stale: bool = False
-    """A producer restarted since the sync was formed: form it again before the next sync."""
-    retained_weights: list = field(default_factory=list)
-    """Object-store copies (one per sync stage) of the last synced version's weights: a restarted producer's."""
-
-
-@dataclass
 class StartupTrace:
     """Where this process's time to the first rollouts went (``startup.json``; not in ``RunProgress``: a resumed
     run reports its own start-up)."""
@@ -115,7 +98,7 @@ class Driver:
 
     Besides ``progress`` (what a checkpoint saves and a resume restores) it holds the actors and their wiring, the
     pending calls (``pending_calls.py``), the producers' restarts (``producer_restarts.py``), the weight sync as
-    formed (``WeightSyncState``), the start-up trace, and where outputs go."""
+    formed (``weight_sync.py``), the start-up trace, and where outputs go."""
 
     def __init__(self, config: RLConfig, run_dir: Path, metrics: MetricsLogger, startup: PhaseRecorder | None = None):
         """``startup``: the driver's start-up phases so far (``run_training``'s); the driver adds its own."""
@@ -130,11 +113,20 @@ class Driver:
         self.timeout = config.run.timeout_s
         self.buffer, self.producers, self.trainers = spawn_actors(config)
         self.progress = RunProgress()
-        self.sync = WeightSyncState()
         self.restarts = ProducerRestarts(
             self.producers, max_restarts=config.run.max_actor_restarts, timeout_s=self.timeout
         )
         """The producers' processes (pid, node) and the restarts each has used."""
+        self.sync = SyncOrchestrator(
+            self.trainers,
+            self.producers,
+            mode=config.run.weight_sync_mode,
+            receivers_per_producer=config.weight_receivers_per_producer,
+            run_dir=run_dir,
+            producer_nodes=lambda: self.restarts.nodes,
+            wait=lambda groups: gather_groups(groups, self.timeout),
+        )
+        """The weight sync as formed, and the one way to bring producers to a version."""
         self.last_saved_step = 0
         """Step of the newest checkpoint this process saved or resumed from (``progress.step`` when it was saved)."""
         self.final_model_dir: Path | None = None
@@ -158,7 +150,6 @@ class Driver:
             raise RunFailed(f"producers loaded different numbers of training prompts: {sorted(train_rows)}")
         (self.train_rows,) = train_rows
         self.restarts.record_ready(producers)
-        self.sync.trainer_nodes = [info.node_id for info in trainers]
         dropped = producers[0].dropped_overlong
         self.metrics.log("data", 0, {"data/train_prompts": self.train_rows, "data/dropped_overlong_prompts": dropped})
         for name, info in zip(self.producers.names + self.trainers.names, producers + trainers, strict=True):
@@ -172,35 +163,11 @@ class Driver:
                 self.pending.restore(finished_rounds)
                 self.last_saved_step = self.progress.step
         sync_started = time.time()
-        self.sync.senders = stage_senders([info.sync_stage for info in trainers])
-        self._form_weight_sync(retain=resume_from is None)
+        self.sync.start(trainers, retain=resume_from is None)
         if resume_from is not None:
-            self._sync_weights(self.progress.policy_version)
+            self._sync_weights(self.progress.policy_version, reason="resume")
         self.trace.phases.add("weight sync", sync_started, time.time())
         logger.info("actors ready in %.1fs", time.perf_counter() - started)
-
-    def _form_weight_sync(self, *, retain: bool) -> None:
-        """(Re)form every pipeline stage's weight sync (``--weight-sync-mode``): its sender trainer hosts a group,
-        a shared-memory region or sync files, every producer joins. ``retain``: keep the senders' copy of the
-        weights they hold (the current version's)."""
-        addresses = gather(self.trainers.weight_sync_address(self.sync.senders), self.timeout)
-        self.sync.formations += 1
-        send_routes, receive_routes = plan_routes(
-            self.config.run.weight_sync_mode,
-            sender_nodes=[self.sync.trainer_nodes[rank] for rank in self.sync.senders],
-            producer_nodes=self.restarts.nodes,
-            addresses=addresses,
-            run_dir=self.run_dir,
-            formation=self.sync.formations,
-            receivers_per_producer=[self.config.weight_receivers_per_producer] * len(self.producers),
-        )
-        senders, _ = gather_groups(
-            [self.trainers.setup_weight_sync(send_routes, retain), self.producers.join_weight_sync(receive_routes)],
-            self.timeout,
-        )
-        if retain:
-            self.sync.retained_weights = [ref for refs in senders for ref in refs]
-        self.sync.stale = False
 
     # ------------------------------------------------------------------ waiting, and surviving producer restarts
     def _gather(self, *groups: Calls) -> list[list]:
@@ -215,8 +182,6 @@ class Driver:
     def _gather_sync(self, make: Callable[[], list[Calls]]) -> list[list]:
         """:meth:`_gather` of one weight sync: ``make()`` issues it; after a producer restart it is made again
         whole, on a newly formed group."""
-        if self.sync.stale:
-            self._form_weight_sync(retain=False)
         return self._gather_calls(make, remake=True)
 
     def _gather_calls(self, make: Callable[[], list[Calls]], *, remake: bool) -> list[list]:
@@ -233,7 +198,7 @@ class Driver:
                     raise
                 self._redo_lost_rounds(restarted)
             if remake:
-                self._form_weight_sync(retain=False)
+                self.sync.broken()
                 groups = make()
             else:
                 groups = [redo_lost(group) for group in groups]
@@ -246,8 +211,10 @@ class Driver:
             raise RunFailed(f"{failure}; {resume_hint(self.run_dir)}", failure.outcomes) from None
         restarted = self.restarts.restarted(failure, calls, whole_sync=whole_sync)
         if restarted:
-            self.restarts.restore_weights(restarted, self.progress.policy_version, self.sync.retained_weights)
-            self.sync.stale = True
+            version = self.progress.policy_version  # the last completed sync's: what the senders retained
+            self.restarts.restore_weights(
+                restarted, lambda ranks: self.sync.sync_to(version, producers=ranks, reason="producer restart")
+            )
             self.metrics.log("faults", self.step, {"faults/producer_restarts": self.restarts.total})
         return restarted
 
@@ -264,7 +231,7 @@ class Driver:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
         (results,) = self._gather(self.producers.evaluate())
-        return self._log_eval(results)
+        return self.log_eval(results)
 
     def _submit_eval_before(self) -> None:
         """Queue the eval of the untrained policy on the producers (once; not on resume)."""
@@ -276,10 +243,10 @@ class Driver:
         calls = self.pending.take_eval_before()
         if calls is not None:
             (results,) = self._gather(calls)
-            self.progress.eval_accuracy_before = self._log_eval(results)
+            self.progress.eval_accuracy_before = self.log_eval(results)
             self.progress.next_eval_step = self.config.run.eval_interval
 
-    def _log_eval(self, results, step: int | None = None) -> dict[str, float]:
+    def log_eval(self, results, step: int | None = None) -> dict[str, float]:
         """Log every task's accuracy (mean@k) over all producers' shares, and pass@k with several samples, at
         ``step`` (the weights' step; None: the current one)."""
         step = self.step if step is None else step
@@ -314,14 +281,14 @@ class Driver:
                 break  # resumed from the checkpoint of the run's last round
             round_started = time.perf_counter()
             self._train_round(round_index, progress)
-            self._sync_weights(round_index + 1)
+            self._sync_weights(round_index + 1, reason=f"end of round {round_index}")
             self.progress.next_round = round_index + 1
-            self._collect_profile()
+            self.collect_profile()
             self.metrics.log("sync", self.step, {"time/round_s": time.perf_counter() - round_started})
             last_round = round_index == rounds - 1 or (max_steps is not None and self.step >= max_steps)
             if not last_round:
                 self._maybe_evaluate()
-            if self._checkpoint_due(last_round):
+            if self.checkpoint_due(last_round):
                 self.save_checkpoint()
             if last_round:
                 break
@@ -340,18 +307,14 @@ class Driver:
         trained, produced = self._gather(train_calls, self.pending.take_round(round_index))
         if not self.trace.reported:
             arrivals = ray.get(self.buffer.arrival_times.remote(round_index), timeout=self.timeout)
-            self._report_startup(arrivals, [metrics.get("time/produce_s") for metrics in produced])
+            self.report_startup(arrivals, [metrics.get("time/produce_s") for metrics in produced])
         self._log_eval_before()
         self._log_round(trained, produced, progress)
 
-    def _sync_weights(self, policy_version: int) -> None:
+    def _sync_weights(self, policy_version: int, *, reason: str) -> None:
         started = time.perf_counter()
-        senders, _ = self._gather_sync(
-            lambda: [self.trainers.push_weights(policy_version), self.producers.receive_weights(policy_version)]
-        )
-        retained = [ref for refs in senders for ref in refs]
-        if retained:
-            self.sync.retained_weights = retained  # the previous version's copies are freed
+        (results,) = self._gather_sync(lambda: [self.sync.sync_to(policy_version, reason=reason)])
+        self.sync.synced(results)
         self.progress.policy_version = policy_version
         self.metrics.log("sync", self.step, {"time/sync_s": time.perf_counter() - started})
 
@@ -382,7 +345,7 @@ class Driver:
             progress.set_postfix(reward=f"{merged['train/reward']:.3f}", loss=f"{merged['train/loss']:.4f}")
 
     # ------------------------------------------------------------------ start-up report and profile
-    def _report_startup(self, arrivals: dict[int, float], produce_seconds: list[float | None]) -> None:
+    def report_startup(self, arrivals: dict[int, float], produce_seconds: list[float | None]) -> None:
         """Log and write (``startup.json``) where the time to this run's first round of rollouts went (the stream
         schedule: every producer's first chunk). ``arrivals``: producer rank -> when its rollouts arrived (wall
         clock); ``produce_seconds``: per producer, how long generating them took."""
@@ -400,7 +363,7 @@ class Driver:
         self.metrics.log("startup", self.step, {"time/first_rollout_s": report.time_to_first_rollout_s})
         self.trace.reported = True
 
-    def _collect_profile(self) -> None:
+    def collect_profile(self) -> None:
         if not self.config.run.enable_profiling:
             return
         spans = gather(self.producers.drain_phases() + self.trainers.drain_phases(), self.timeout)
@@ -408,7 +371,7 @@ class Driver:
             append_spans(self.run_dir, actor, actor_spans)
 
     # ------------------------------------------------------------------ checkpoints and the trained model
-    def _checkpoint_due(self, last_round: bool) -> bool:
+    def checkpoint_due(self, last_round: bool) -> bool:
         interval = self.config.run.save_interval
         if not interval:
             return False

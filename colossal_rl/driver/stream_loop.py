@@ -138,7 +138,8 @@ class StreamLoop:
             self._decide()
             if self.scheduler.finished and not self._busy_beyond_chunks():
                 break
-            self._answer(self._wait_one(), progress)
+            item = self._wait_one()
+            self._answer(item, gather(item.calls, self.driver.timeout), progress)  # all finished: no wait
         progress.close()
         if driver.step < self.total_steps:
             logger.warning(
@@ -147,7 +148,7 @@ class StreamLoop:
                 self.config.schedule.num_episodes, driver.step, self.total_steps,
                 self.scheduler.counters.filtered_groups, self.scheduler.counters.dropped_stale_groups,
             )  # fmt: skip
-        driver._collect_profile()
+        driver.collect_profile()
         if self.config.run.final_export:
             driver.export_final_model()
         return driver.progress.eval_accuracy_before or {}, driver.evaluate()
@@ -163,10 +164,7 @@ class StreamLoop:
         scheduler, driver = self.scheduler, self.driver
         version = scheduler.sync_due()
         if version is not None and not self._kinds("sync"):
-            if driver.sync.stale:  # a producer restarted since the sync group was formed
-                driver._form_weight_sync(retain=False)
-            self._submit("sync", driver.trainers.push_weights(version) + driver.producers.receive_weights(version),
-                         version)  # fmt: skip
+            self._submit("sync", driver.sync.sync_to(version, reason=f"step {driver.step}"), version)
             scheduler.sync_ordered(version)
         self._order_eval()
         for order in scheduler.admit():
@@ -264,25 +262,22 @@ class StreamLoop:
         driver = self.driver
         ray.wait([call.ref for call in sync.calls], num_returns=len(sync.calls), timeout=driver.timeout)
         self._forget(sync)
-        driver._form_weight_sync(retain=False)
-        version = sync.subject
-        self._submit("sync", driver.trainers.push_weights(version) + driver.producers.receive_weights(version), version)
+        driver.sync.broken()
+        self._submit("sync", driver.sync.sync_to(sync.subject, reason="sync made again"), sync.subject)
 
     def _forget(self, item: Waiting) -> None:
         self.waiting.remove(item)
         self._unanswered.difference_update(call.ref for call in item.calls)
 
-    def _answer(self, item: Waiting, progress) -> None:
-        results = gather(item.calls, self.driver.timeout)  # all finished: no wait
+    def _answer(self, item: Waiting, results: list, progress) -> None:
+        """Report a waited-on item whose calls all finished with ``results`` (their results, in order)."""
         if item.kind == "chunk":
             self._chunk_done(item.subject, results[0])
         elif item.kind == "step":
             self._step_done(item.subject, results, progress)
         elif item.kind == "sync":
             self.driver.progress.policy_version = item.subject
-            retained = [ref for refs in results[: len(self.driver.trainers)] for ref in refs]
-            if retained:  # with --max-actor-restarts: what a restarted producer is given
-                self.driver.sync.retained_weights = retained
+            self.driver.sync.synced(results)  # with --max-actor-restarts: what a restarted producer is given
             elapsed = time.perf_counter() - item.submitted_at  # from its order: behind queued chunks and a step
             self.driver.metrics.log("sync", item.subject, {"time/sync_s": elapsed})  # at the step of its weights
         else:
@@ -306,7 +301,7 @@ class StreamLoop:
         num_producers = self.config.schedule.num_producers
         if len(self._first_chunks) == num_producers:
             arrivals = {rank: arrived for rank, (arrived, _) in self._first_chunks.items()}
-            self.driver._report_startup(arrivals, [self._first_chunks[rank][1] for rank in range(num_producers)])
+            self.driver.report_startup(arrivals, [self._first_chunks[rank][1] for rank in range(num_producers)])
 
     def _step_done(self, step: StepOrder, results: list[StepResult], progress) -> None:
         self.scheduler.step_done()
@@ -337,7 +332,7 @@ class StreamLoop:
         """Save (``-si``) between two steps: trainers' state and the scheduler's snapshot. The weights the trainers
         hold are version ``step`` here (versions count steps): a resume syncs them as that."""
         driver = self.driver
-        if not driver._checkpoint_due(driver.step >= self.total_steps):
+        if not driver.checkpoint_due(driver.step >= self.total_steps):
             return
         save_run(
             run_dir=driver.run_dir,
@@ -353,7 +348,7 @@ class StreamLoop:
 
     def _eval_done(self, step: int | None, results: list) -> None:
         driver = self.driver
-        accuracy = driver._log_eval(results, step=0 if step is None else step)
+        accuracy = driver.log_eval(results, step=0 if step is None else step)
         if step is None:
             driver.progress.eval_accuracy_before = accuracy
 

@@ -114,3 +114,26 @@ def test_benchmarks_build_configs_from_the_package_not_the_script():
     for script in benchmarks.glob("*.py"):
         text = script.read_text(encoding="utf-8")
         assert "from rl_example import" not in text and "import rl_example" not in text, script.name
+
+
+@pytest.mark.parametrize(
+    "mode, n_behind, max_staleness, corrected",
+    [
+        ("rounds", 0, 3, False),  # the round schedule's lag is -nb: --max-staleness is the stream's
+        ("rounds", 1, 0, True),
+        ("stream", 3, 0, False),  # the stream's lag is --max-staleness: -nb is the rounds'
+        ("stream", 0, 1, True),
+    ],
+)
+def test_every_derived_field_in_each_schedule_follows_that_schedules_lag(mode, n_behind, max_staleness, corrected):
+    """Issue 45: each derived field gets a case in each schedule; only the truncated-IS cap depends on it (on the
+    schedule's policy lag, exactly 0 or 1 behind), the others are the same in both."""
+    schedule = ScheduleConfig(mode=mode, n_behind=n_behind, max_staleness=max_staleness)
+    resolved = resolve(
+        RLConfig(algorithm=presets.dapo(), generation=GenerationConfig(max_new_tokens=64), schedule=schedule)
+    )
+    assert resolved.algorithm.truncated_is_cap == (TRUNCATED_IS_CAP if corrected else None)
+    assert resolved.algorithm.cache_length == 16  # a quarter of the response budget, whatever the schedule
+    assert resolved.data.seed == 42 and resolved.data.eval_paths == (("math", str(EMBEDDED_EVAL_DATA)),)
+    assert resolved.generation.stop_strings == ()
+    assert resolve(resolved) == resolved

@@ -1,0 +1,84 @@
+"""Fake producer and trainer groups (tests only): every call the driver asks for is logged, nothing runs.
+
+A call's ``ref`` is a :class:`Ref` (unique, as Ray's are) holding its result (``results[method](rank)``, else None):
+a fake wait is ``[call.ref.result ...]``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from colossal_rl.driver.calls import ActorId, Call
+from colossal_rl.driver.weight_sync import SyncOrchestrator
+
+
+class Ref:
+    """A fake object ref: hashed by identity, holding the call's result."""
+
+    def __init__(self, result):
+        self.result = result
+
+
+def results(calls) -> list:
+    return [call.ref.result for call in calls]
+
+
+class FakeGroup:
+    """Records ``(kind rank, method, args)`` in ``log`` for every call."""
+
+    def __init__(self, kind: str, size: int, log: list, results: dict | None = None):
+        self.kind, self.size, self.log = kind, size, log
+        self.results = results or {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getattr__(self, method: str):
+        def calls(*args, **kwargs):
+            return [self._call(rank, method, args + tuple(kwargs.values())) for rank in range(self.size)]
+
+        return calls
+
+    def _call(self, rank: int, method: str, args: tuple) -> Call:
+        self.log.append((f"{self.kind} {rank}", method, args))
+        return Call(ActorId(self.kind, rank), method, Ref(self.results.get(method, lambda rank: None)(rank)))
+
+
+class FakeTrainers(FakeGroup):
+    def weight_sync_address(self, ranks):
+        return [self._call(rank, "weight_sync_address", ()) for rank in ranks]
+
+
+class FakeProducers(FakeGroup):
+    def produce_chunk(self, rank, chunk_id, rows, buffer, min_version=0):
+        return [self._call(rank, "produce_chunk", (chunk_id, rows, min_version))]
+
+    def restore_weights(self, ranks, version, stage_weights):
+        return [self._call(rank, "restore_weights", (version, stage_weights)) for rank in ranks]
+
+
+def fake_sync(num_trainers: int = 2, num_producers: int = 2, mode: str = "broadcast"):
+    """A ``SyncOrchestrator`` on fake groups (trainer 0 sends the one stage), its call log, the trainers' ``setup``
+    answers (for ``start``)."""
+    log: list = []
+    trainers = FakeTrainers(
+        "trainer",
+        num_trainers,
+        log,
+        {  # trainer 0 sends the one stage; each retained copy names the version the trainers hold
+            "weight_sync_address": lambda rank: ("127.0.0.1", 29500 + rank),
+            "setup_weight_sync": lambda rank: ["copy v0"] if rank == 0 else [],
+            "push_weights": lambda rank: [f"copy {log[-1][2][0]}"] if rank == 0 else [],
+        },
+    )
+    producers = FakeProducers("producer", num_producers, log)
+    sync = SyncOrchestrator(
+        trainers,
+        producers,
+        mode=mode,
+        receivers_per_producer=1,
+        run_dir="/tmp/run",
+        producer_nodes=lambda: ["node"] * num_producers,
+        wait=lambda groups: [results(calls) for calls in groups],
+    )
+    ready = [SimpleNamespace(node_id="node", sync_stage=0 if rank == 0 else None) for rank in range(num_trainers)]
+    return sync, log, ready
