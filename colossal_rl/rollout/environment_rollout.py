@@ -1,8 +1,9 @@
-"""The producer's multi-turn path (``--env``): episodes of a round's rows, as a rollout batch and eval records.
+"""Episodes that take turns (``--env``): the rows' episodes, as a rollout batch and as eval records.
 
-Plain functions and one small class the :class:`~colossal_rl.rollout.producer.Producer` holds when
-``environment.name`` is set; without ``--env`` nothing here runs and the single-turn path is unchanged. Episodes
-run ``generation.microbatch_size`` prompts (times their samples) at a time, like the single-turn generate calls.
+The multi-turn case of the producer's one rollout path (``Producer._rollout``): plain functions and one small
+class the :class:`~colossal_rl.rollout.producer.Producer` holds when ``environment.name`` is set; without ``--env``
+the environment is the one-step one and the producer generates its groups batched instead. Episodes run
+``generation.microbatch_size`` prompts (times their samples) at a time, like the single-turn generate calls.
 """
 
 from __future__ import annotations
