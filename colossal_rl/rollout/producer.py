@@ -399,26 +399,39 @@ class Producer:
             return EvalResult(task=task, accuracy=0.0, num_prompts=0, records=[], samples_per_prompt=k)
         torch.manual_seed(self.config.run.seed + 7 * self.rank)
         rows = [dataset.rows[i] for i in indices for _ in range(k)]  # group-major, like the responses
-        if self.environments is not None:
-            from colossal_rl.rollout.environment_rollout import eval_records
-
-            episodes = self.environments.run(self.backend, [dataset.rows[i] for i in indices], k, self._eval_sampling())
-            return self._eval_result(task, indices, eval_records(episodes, self.tokenizer, rows, indices, k))
-        output, _ = self._generate(dataset, indices, k, self._eval_sampling())
-        scored = self.reward_scorer.score_batch(output.responses, rows)
         records = [
             {
                 "index": indices[n // k],
                 "sample": n % k,
-                "response": text,
+                "response": response,
                 "gt_answer": row.get("gt_answer"),
-                "reward": rec.reward,
-                "correct": rec.answer_ok,
-                "status": rec.status,
+                "reward": reward,
+                "correct": correct,
+                "status": status,
+                **extra,
             }
-            for n, (text, row, rec) in enumerate(zip(output.responses, rows, scored, strict=True))
+            for n, (row, (response, reward, correct, status, extra)) in enumerate(
+                zip(rows, self._eval_episodes(dataset, indices, rows), strict=True)
+            )
         ]
         return self._eval_result(task, indices, records)
+
+    def _eval_episodes(self, dataset: PromptDataset, indices: list[int], rows: list[dict]) -> list[tuple]:
+        """Each eval sample's (response, reward, correct, status, extra record fields), group-major: one-step
+        episodes generated at once and scored in one batch, or ``--env`` episodes (their turns and tool calls)."""
+        k, sampling = self.config.generation.eval_samples, self._eval_sampling()
+        if self.environments is None:
+            output, _ = self._generate(dataset, indices, k, sampling)
+            scored = self.reward_scorer.score_batch(output.responses, rows)
+            return [
+                (text, r.reward, r.answer_ok, r.status, {}) for text, r in zip(output.responses, scored, strict=True)
+            ]
+        episodes = self.environments.run(self.backend, [dataset.rows[i] for i in indices], k, sampling).episodes
+        return [
+            (self.tokenizer.decode(e.response_ids), e.reward, e.answer_ok, e.status,
+             {"turns": len(e.turns), "tool_calls": sum(turn.tool_calls for turn in e.turns)})
+            for e in episodes
+        ]  # fmt: skip
 
     def _eval_result(self, task: str, indices: list[int], records: list[dict]) -> EvalResult:
         k = self.config.generation.eval_samples
