@@ -32,25 +32,8 @@ import torch
 from transformers import DynamicCache
 
 from colossal_rl.rollout.backend import SamplingSettings
+from colossal_rl.rollout.batcher import DecodedGroup
 from colossal_rl.rollout.decoding import StopStringWatch, _next_logits, accepts_logits_to_keep, choose_tokens
-
-
-@dataclass(frozen=True)
-class DecodedGroup:
-    """The ``num_samples`` responses of one prompt."""
-
-    request_id: int
-    response_ids: torch.Tensor  # [G, L] on the host, right-padded with pad_token_id after a sample ended
-    logprobs: torch.Tensor  # [G, L] behaviour log-probabilities, 0 after a sample ended
-    lengths: tuple[int, ...]
-    """Tokens each sample generated (its last one the EOS or the stop string's, if it ended so)."""
-    policy_version: int = 0
-    """The batcher's ``policy_version`` when the prompt was admitted: the oldest weights any of its tokens was
-    sampled with (all of them, unless weights were taken mid-flight)."""
-    token_versions: torch.Tensor | None = None
-    """[G, L] the version that sampled each token, -1 after a sample ended."""
-    tag: object = None
-    """What the caller attached to the request (``submit``'s ``tag``)."""
 
 
 @dataclass
@@ -142,8 +125,9 @@ def _drop_leading(cache: DynamicCache, steps: int) -> None:
 
 
 class ContinuousBatcher:
-    """Samples ``num_samples`` responses per submitted prompt with at most about ``max_rows`` rows decoding at
-    once (a prompt is admitted while fewer rows than that run, so up to ``num_samples - 1`` more may run)."""
+    """A ``Batcher`` (``batcher.py``) on a transformers model: samples ``num_samples`` responses per submitted
+    prompt with at most about ``max_rows`` rows decoding at once (a prompt is admitted while fewer rows than that
+    run, so up to ``num_samples - 1`` more may run)."""
 
     def __init__(
         self,

@@ -1,14 +1,14 @@
 """One continuous-batching engine shared by a producer's concurrent calls (``--continuous-batching``).
 
-A thread of its own steps the ``ContinuousBatcher``; any number of callers (the threads of a Ray actor with
-``max_concurrency``) submit prompts and wait for their own groups, so a call returns as soon as its prompts are
-done, while the engine goes on decoding the others'. Weights change only at a safe point: :meth:`load_weights`
-stops admitting prompts, waits until no row is running (every group finishes with the version it started with),
-loads, and labels what is admitted next with the new version. With partial rollouts (``--partial-rollouts``) it
-does not wait: it pauses decoding between two steps, loads, re-prefills the running rows with the new weights
-(``ContinuousBatcher.take_new_weights``) and lets decoding go on, so a response may span two versions (each token
-records its own). :meth:`exclusive` runs something else on the model (an evaluation) with decoding paused. Every
-wait is bounded.
+A thread of its own steps a ``Batcher`` (``batcher.py``: the transformers or the vLLM one); any number of callers
+(the threads of a Ray actor with ``max_concurrency``) submit prompts and wait for their own groups, so a call
+returns as soon as its prompts are done, while the engine goes on decoding the others'. Weights change only at a
+safe point: :meth:`load_weights` stops admitting prompts, waits until no row is running (every group finishes with
+the version it started with), loads, and labels what is admitted next with the new version. With partial rollouts
+(``--partial-rollouts``) it does not wait: it pauses decoding between two steps, loads, re-prefills the running
+rows with the new weights (``Batcher.take_new_weights``) and lets decoding go on, so a response may span two
+versions (each token records its own). :meth:`exclusive` runs something else on the model (an evaluation) with
+decoding paused. Every wait is bounded.
 
 Plain threading, no Ray: testable in-process.
 """
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from colossal_rl.rollout.continuous_batching import ContinuousBatcher, DecodedGroup
+from colossal_rl.rollout.batcher import Batcher, DecodedGroup
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class EngineStopped(RuntimeError):
 class EngineService:
     """Drives ``batcher`` from a daemon thread; its methods may be called from any thread."""
 
-    def __init__(self, batcher: ContinuousBatcher, *, partial_rollouts: bool = False):
+    def __init__(self, batcher: Batcher, *, partial_rollouts: bool = False):
         self.batcher = batcher
         self.partial_rollouts = partial_rollouts
         """Load weights with rows running (they continue with the new version) instead of waiting for them."""

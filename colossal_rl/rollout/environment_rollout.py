@@ -1,8 +1,9 @@
-"""The producer's multi-turn path (``--env``): episodes of a round's rows, as a rollout batch and eval records.
+"""Episodes that take turns (``--env``): the rows' episodes, and their rollout batch.
 
-Plain functions and one small class the :class:`~colossal_rl.rollout.producer.Producer` holds when
-``environment.name`` is set; without ``--env`` nothing here runs and the single-turn path is unchanged. Episodes
-run ``generation.microbatch_size`` prompts (times their samples) at a time, like the single-turn generate calls.
+The multi-turn case of the producer's one rollout path (``Producer._rollout``): plain functions and one small
+class the :class:`~colossal_rl.rollout.producer.Producer` holds when ``environment.name`` is set; without ``--env``
+the environment is the one-step one and the producer generates its groups batched instead. Episodes run
+``generation.microbatch_size`` prompts (times their samples) at a time, like the single-turn generate calls.
 """
 
 from __future__ import annotations
@@ -67,21 +68,3 @@ def episodes_batch(output: MultiTurnOutput, tokenizer, *, group_size: int, **bat
         reward_status=statuses,
         **batch_fields,
     )
-
-
-def eval_records(output: MultiTurnOutput, tokenizer, rows: list[dict[str, Any]], indices: list[int], k: int) -> list:
-    """One eval record per episode (``rows`` group-major, ``k`` samples of each of ``indices``)."""
-    return [
-        {
-            "index": indices[n // k],
-            "sample": n % k,
-            "response": tokenizer.decode(episode.response_ids),
-            "gt_answer": row.get("gt_answer"),
-            "reward": episode.reward,
-            "correct": episode.answer_ok,
-            "status": episode.status,
-            "turns": len(episode.turns),
-            "tool_calls": sum(turn.tool_calls for turn in episode.turns),
-        }
-        for n, (episode, row) in enumerate(zip(output.episodes, rows, strict=True))
-    ]

@@ -1,5 +1,9 @@
 """A producer: samples groups of responses for its share of each round and scores them.
 
+One rollout path (``Producer._rollout``): episodes through the run's environment, scored, post-processed. The
+default environment is the one-step one, whose groups are generated at once (batched generate calls sharing each
+prompt's prefill, or the continuous-batching engine); ``--env`` episodes take turns (``environment_rollout.py``).
+
 Plain class, no Ray: the actor shell in ``colossal_rl/driver/actors.py`` moves its batches into the
 object store and the shared buffer. A producer only ever generates with the weights it was
 last given; which round uses which weights version is decided by the driver's schedule.
@@ -101,7 +105,8 @@ class Producer:
         self._scored = 0
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
         self.environments = None
-        """``--env``: the multi-turn rollouts (``rollout/environment_rollout.py``); None: single-turn."""
+        """``--env``: episodes that take turns (``rollout/environment_rollout.py``); None: the one-step environment,
+        its groups generated at once."""
         if config.environment.name is not None:
             from colossal_rl.rollout.environment_rollout import EnvironmentRollouts
 
@@ -186,7 +191,8 @@ class Producer:
 
     def produce(self, round_index: int) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Generate, score and post-process this producer's prompts of ``round_index``."""
-        return self._rollout(self.schedule.rows_for(round_index, self.rank), seed_index=round_index)
+        batch, metrics, _ = self._rollout(self.schedule.rows_for(round_index, self.rank), seed_index=round_index)
+        return batch, metrics
 
     def produce_chunk(self, chunk_id: int, rows: list[int], min_version: int = 0) -> ChunkRollout:
         """Generate, score and post-process rows ``rows`` (one streaming chunk): the kept groups' batch and what
@@ -194,11 +200,7 @@ class Producer:
         started with, its token cost, kept or filtered by dynamic sampling). With continuous batching the rows
         join the shared engine once it holds ``min_version`` (the chunk's order says which), and calls may run
         concurrently; without, calls run in order and the version is whatever the producer holds."""
-        if self.engine is None:
-            batch, metrics = self._rollout(list(rows), seed_index=chunk_id)
-            versions = [self.policy_version] * len(rows)
-        else:
-            batch, metrics, versions = self._rollout_continuous(list(rows), min_version, chunk_id)
+        batch, metrics, versions = self._rollout(list(rows), seed_index=chunk_id, min_version=min_version)
         kept_rows = tuple(batch.data_indices) if batch is not None else ()
         shared_prompt = self.config.sequence_layout == "shared_prompt"
         costs = (
@@ -210,45 +212,57 @@ class Producer:
         )
         return ChunkRollout(batch=batch, groups=groups, metrics=metrics)
 
-    def _rollout_continuous(
-        self, row_indices: list[int], min_version: int, chunk_id: int
+    def _rollout(
+        self, row_indices: list[int], *, seed_index: int, min_version: int = 0
     ) -> tuple[RolloutBatch | None, dict[str, float], list[int]]:
-        """``_rollout`` through the shared continuous-batching engine; also each group's starting version."""
+        """The one rollout path: the episodes of ``row_indices`` through the run's environment, scored and
+        post-processed; also the policy version each group started with. Without ``--env`` the environment is the
+        one-step one, and every group's samples are generated at once (:meth:`_one_step_batch`); with it, episodes
+        take turns (:meth:`_episodes_batch`). Sampling is seeded by run seed, ``seed_index`` and rank, except on the
+        continuous-batching engine, whose calls run concurrently."""
         started = time.perf_counter()
-        prompts = [self.train_data.prompt_ids[i] for i in row_indices]
-        with self.phases.record("generate"):
-            groups = self.engine.generate(prompts, min_version=min_version, timeout_s=self.config.run.timeout_s)
-        output = self.backend.output_of_groups(prompts, groups, self._train_sampling())
-        versions = [group.policy_version for group in groups]
-        batch, metrics = self._scored_rollout(row_indices, output, (), min(versions), started, chunk_id)
-        return batch, metrics, versions
+        if self.engine is None:
+            torch.manual_seed(self.config.run.seed * 1_000_003 + seed_index * 1009 + self.rank)
+        fields = {"round_index": seed_index, "producer_rank": self.rank, "data_indices": row_indices}
+        if self.environments is None:
+            batch, own_metrics, versions = self._one_step_batch(row_indices, min_version, started, fields)
+            max_response_tokens = self.config.generation.max_new_tokens
+        else:
+            batch, own_metrics = self._episodes_batch(row_indices, started, fields)
+            versions = [self.policy_version] * len(row_indices)
+            max_response_tokens = self.config.environment.max_total_tokens
+        with self.phases.record("postprocess"):
+            processed, metrics = postprocess_rollout(batch, self.config.algorithm, max_response_tokens)
+        policy_mask = batch.response_mask if batch.policy_mask is None else batch.policy_mask
+        statuses = batch.reward_status
+        metrics.update(
+            {
+                "rollout/response_length": float(policy_mask.sum(1).float().mean()),  # the policy's tokens
+                "rollout/truncated_fraction": float(batch.truncated.float().mean()),
+                "rollout/infra_error_fraction": sum(status == "infra_error" for status in statuses) / len(statuses),
+                **own_metrics,
+                "time/produce_s": time.perf_counter() - started,
+            }
+        )
+        return processed, metrics, versions
 
-    def _rollout(self, row_indices: list[int], *, seed_index: int) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """Generate, score and post-process ``row_indices`` (sampling seeded by run seed, ``seed_index``, rank)."""
-        started = time.perf_counter()
+    def _one_step_batch(
+        self, row_indices: list[int], min_version: int, started: float, fields: dict
+    ) -> tuple[RolloutBatch, dict[str, float], list[int]]:
+        """Single-turn episodes, optimised: every group generated at once (:meth:`_generate_groups`) and scored in
+        one batch, as the ``single_turn`` environment would one by one. The batch before post-processing, its
+        own metrics, and each group's starting version."""
         group_size = self.config.generation.num_generations
-        torch.manual_seed(self.config.run.seed * 1_000_003 + seed_index * 1009 + self.rank)
-        if self.environments is not None:
-            return self._environment_rollout(row_indices, seed_index=seed_index, started=started)
         with self.phases.record("generate"):
-            output, vision = self._generate(self.train_data, row_indices, group_size, self._train_sampling())
-        return self._scored_rollout(row_indices, output, vision, self.policy_version, started, seed_index)
-
-    def _scored_rollout(
-        self,
-        row_indices: list[int],
-        output: GenerationOutput,
-        vision: tuple,
-        policy_version: int,
-        started: float,
-        seed_index: int,
-    ) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """Score ``output`` (the responses to ``row_indices``, generated since ``started``) and post-process it."""
-        group_size = self.config.generation.num_generations
-        generate_seconds = time.perf_counter() - started
+            output, vision, versions = self._generate_groups(row_indices, min_version)
+        metrics = {"time/generate_s": time.perf_counter() - started}
         rows = [self.train_data.rows[i] for i in row_indices for _ in range(group_size)]
         with self.phases.record("reward"):
             records = self._score(output.responses, rows)
+        if output.token_versions is not None:  # partial rollouts: responses that span a weight sync
+            responses, tokens = multi_version_fractions(output.token_versions, output.response_mask)
+            metrics["rollout/multi_version_fraction"] = responses
+            metrics["rollout/later_version_token_fraction"] = tokens
         batch = RolloutBatch(
             prompt_ids=output.prompt_ids,
             prompt_mask=output.prompt_mask,
@@ -261,38 +275,29 @@ class Producer:
             loss_mask=torch.tensor([0.0 if r.status == "infra_error" else 1.0 for r in records]),
             truncated=output.truncated,
             group_size=group_size,
-            policy_version=policy_version,
-            round_index=seed_index,
-            producer_rank=self.rank,
+            policy_version=min(versions),
             prompts=[self.tokenizer.decode(self.train_data.prompt_ids[i]) for i in row_indices],
             responses=output.responses,
             reward_status=[r.status for r in records],
-            data_indices=row_indices,
             vision=vision,
+            **fields,
         )
-        with self.phases.record("postprocess"):
-            processed, metrics = postprocess_rollout(
-                batch, self.config.algorithm, self.config.generation.max_new_tokens
-            )
-        metrics.update(
-            {
-                "rollout/response_length": float(output.response_mask.sum(1).float().mean()),
-                "rollout/truncated_fraction": float(output.truncated.float().mean()),
-                "rollout/infra_error_fraction": sum(r.status == "infra_error" for r in records) / len(records),
-                "time/generate_s": generate_seconds,
-                "time/produce_s": time.perf_counter() - started,
-            }
-        )
-        if output.token_versions is not None:  # partial rollouts: responses that span a weight sync
-            responses, tokens = multi_version_fractions(output.token_versions, output.response_mask)
-            metrics["rollout/multi_version_fraction"] = responses
-            metrics["rollout/later_version_token_fraction"] = tokens
-        return processed, metrics
+        return batch, metrics, versions
 
-    def _environment_rollout(
-        self, row_indices: list[int], *, seed_index: int, started: float
-    ) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """``--env``: multi-turn episodes of ``row_indices``, scored by their environments, post-processed."""
+    def _generate_groups(self, row_indices: list[int], min_version: int) -> tuple[GenerationOutput, tuple, list[int]]:
+        """The groups of ``row_indices``: from batched generate calls (the prompt prefilled once per group), or from
+        the continuous-batching engine once it holds ``min_version``; their vision inputs, their starting versions."""
+        sampling, group_size = self._train_sampling(), self.config.generation.num_generations
+        if self.engine is None:
+            output, vision = self._generate(self.train_data, row_indices, group_size, sampling)
+            return output, vision, [self.policy_version] * len(row_indices)
+        prompts = [self.train_data.prompt_ids[i] for i in row_indices]
+        groups = self.engine.generate(prompts, min_version=min_version, timeout_s=self.config.run.timeout_s)
+        return self.backend.output_of_groups(prompts, groups, sampling), (), [g.policy_version for g in groups]
+
+    def _episodes_batch(self, row_indices: list[int], started: float, fields: dict) -> tuple[RolloutBatch, dict]:
+        """``--env``: episodes of ``row_indices`` taking turns, scored by their environments. The batch before
+        post-processing and its own metrics."""
         from colossal_rl.rollout.environment_rollout import episodes_batch
         from colossal_rl.rollout.multi_turn import turn_metrics
 
@@ -300,33 +305,17 @@ class Producer:
         with self.phases.record("generate"):
             rows = [self.train_data.rows[i] for i in row_indices]
             output = self.environments.run(self.backend, rows, group_size, self._train_sampling())
-        generate_seconds = time.perf_counter() - started
+        metrics = {"time/generate_s": time.perf_counter() - started, **turn_metrics(output.episodes)}
         self._count_statuses([e.status for e in output.episodes])
         batch = episodes_batch(
             output,
             self.tokenizer,
             group_size=group_size,
             policy_version=self.policy_version,
-            round_index=seed_index,
-            producer_rank=self.rank,
             prompts=[self.tokenizer.decode(e.prompt_ids) for e in output.episodes[::group_size]],
-            data_indices=row_indices,
+            **fields,
         )
-        with self.phases.record("postprocess"):
-            processed, metrics = postprocess_rollout(
-                batch, self.config.algorithm, self.config.environment.max_total_tokens
-            )
-        metrics.update(turn_metrics(output.episodes))
-        metrics.update(
-            {
-                "rollout/response_length": float(output.policy_mask.sum(1).float().mean()),  # the policy's tokens
-                "rollout/truncated_fraction": float(output.truncated.float().mean()),
-                "rollout/infra_error_fraction": float(1 - batch.loss_mask.mean()),
-                "time/generate_s": generate_seconds,
-                "time/produce_s": time.perf_counter() - started,
-            }
-        )
-        return processed, metrics
+        return batch, metrics
 
     def _score(self, responses: list[str], rows: list[dict]) -> list:
         records = self.reward_scorer.score_batch(responses, rows)
@@ -410,26 +399,39 @@ class Producer:
             return EvalResult(task=task, accuracy=0.0, num_prompts=0, records=[], samples_per_prompt=k)
         torch.manual_seed(self.config.run.seed + 7 * self.rank)
         rows = [dataset.rows[i] for i in indices for _ in range(k)]  # group-major, like the responses
-        if self.environments is not None:
-            from colossal_rl.rollout.environment_rollout import eval_records
-
-            episodes = self.environments.run(self.backend, [dataset.rows[i] for i in indices], k, self._eval_sampling())
-            return self._eval_result(task, indices, eval_records(episodes, self.tokenizer, rows, indices, k))
-        output, _ = self._generate(dataset, indices, k, self._eval_sampling())
-        scored = self.reward_scorer.score_batch(output.responses, rows)
         records = [
             {
                 "index": indices[n // k],
                 "sample": n % k,
-                "response": text,
+                "response": response,
                 "gt_answer": row.get("gt_answer"),
-                "reward": rec.reward,
-                "correct": rec.answer_ok,
-                "status": rec.status,
+                "reward": reward,
+                "correct": correct,
+                "status": status,
+                **extra,
             }
-            for n, (text, row, rec) in enumerate(zip(output.responses, rows, scored, strict=True))
+            for n, (row, (response, reward, correct, status, extra)) in enumerate(
+                zip(rows, self._eval_episodes(dataset, indices, rows), strict=True)
+            )
         ]
         return self._eval_result(task, indices, records)
+
+    def _eval_episodes(self, dataset: PromptDataset, indices: list[int], rows: list[dict]) -> list[tuple]:
+        """Each eval sample's (response, reward, correct, status, extra record fields), group-major: one-step
+        episodes generated at once and scored in one batch, or ``--env`` episodes (their turns and tool calls)."""
+        k, sampling = self.config.generation.eval_samples, self._eval_sampling()
+        if self.environments is None:
+            output, _ = self._generate(dataset, indices, k, sampling)
+            scored = self.reward_scorer.score_batch(output.responses, rows)
+            return [
+                (text, r.reward, r.answer_ok, r.status, {}) for text, r in zip(output.responses, scored, strict=True)
+            ]
+        episodes = self.environments.run(self.backend, [dataset.rows[i] for i in indices], k, sampling).episodes
+        return [
+            (self.tokenizer.decode(e.response_ids), e.reward, e.answer_ok, e.status,
+             {"turns": len(e.turns), "tool_calls": sum(turn.tool_calls for turn in e.turns)})
+            for e in episodes
+        ]  # fmt: skip
 
     def _eval_result(self, task: str, indices: list[int], records: list[dict]) -> EvalResult:
         k = self.config.generation.eval_samples

@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoProcessor
 
 from colossal_rl.batch import pad_to
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
-from colossal_rl.rollout.continuous_batching import ContinuousBatcher, DecodedGroup
+from colossal_rl.rollout.batcher import DecodedGroup
+from colossal_rl.rollout.continuous_batching import ContinuousBatcher
 from colossal_rl.rollout.decoding import StopStringWatch, sample_responses
 from colossal_rl.rollout.tokenizer_loading import load_tokenizer
 from colossal_rl.vision.inputs import VisionInputs, model_vision_kwargs

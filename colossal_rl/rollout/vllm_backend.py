@@ -47,6 +47,7 @@ from transformers import AutoConfig, GenerationConfig
 from colossal_rl.config import VllmEngineConfig
 from colossal_rl.rollout import vllm_weights
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
+from colossal_rl.rollout.batcher import Batcher, DecodedGroup
 from colossal_rl.rollout.tokenizer_loading import load_processor, load_tokenizer
 from colossal_rl.rollout.vllm_requests import (
     SEED_RANGE,
@@ -262,7 +263,7 @@ class VllmBackend:
         return to_generation_output(outputs, num_samples=num_samples, pad_token_id=self.pad_token_id,
                                     decode=self._decode, prompt_ids=ours)  # fmt: skip
 
-    def continuous_batcher(self, sampling: SamplingSettings, num_samples: int, max_rows: int):
+    def continuous_batcher(self, sampling: SamplingSettings, num_samples: int, max_rows: int) -> Batcher:
         """``--continuous-batching``: prompts fed to this engine as they arrive, groups back as they end
         (``vllm_continuous.py``); text only. From then on :meth:`generate` runs beside its requests."""
         if self.processor is not None:
@@ -279,7 +280,9 @@ class VllmBackend:
                                                  sampling_params=final_only)  # fmt: skip
         return self._continuous
 
-    def output_of_groups(self, prompts: list[list[int]], groups: list, sampling: SamplingSettings) -> GenerationOutput:
+    def output_of_groups(
+        self, prompts: list[list[int]], groups: list[DecodedGroup], sampling: SamplingSettings
+    ) -> GenerationOutput:
         """What :meth:`generate` returns, from the continuous batcher's groups of ``prompts`` (in their order)."""
         from colossal_rl.rollout.vllm_continuous import output_of_groups
 

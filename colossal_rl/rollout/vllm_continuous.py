@@ -1,5 +1,5 @@
-"""Continuous batching on vLLM's own engine (``--continuous-batching -b vllm``): the ``ContinuousBatcher`` interface
-(``rollout/continuous_batching.py``) that ``EngineService`` drives, over ``vllm.LLM``'s ``LLMEngine`` (vLLM 0.32).
+"""Continuous batching on vLLM's own engine (``--continuous-batching -b vllm``): a ``Batcher``
+(``rollout/batcher.py``), the interface that ``EngineService`` drives, over ``vllm.LLM``'s ``LLMEngine`` (vLLM 0.32).
 
 vLLM's V1 engine batches continuously by itself: a request added while others run joins the running batch at the
 engine's next step, and leaves it when it ends. ``LLM.generate`` hides that behind one call that returns when its
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
-from colossal_rl.rollout.continuous_batching import DecodedGroup
+from colossal_rl.rollout.batcher import DecodedGroup
 from colossal_rl.rollout.vllm_requests import SEED_RANGE, padded_output, right_pad, sampled_logprobs, vllm_requests
 
 

@@ -85,7 +85,7 @@ def test_a_chunk_samples_as_a_round_of_the_same_rows_and_seed_does(producer):
     try:
         torch.manual_seed(0)
         chunk = producer.produce_chunk(chunk_id=0, rows=rows)
-        batch, _ = producer._rollout(rows, seed_index=0)
+        batch, _, _ = producer._rollout(rows, seed_index=0)
     finally:
         producer.config = original
     assert torch.equal(chunk.batch.response_ids, batch.response_ids)
