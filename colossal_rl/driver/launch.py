@@ -80,6 +80,19 @@ def make_run_dir(config: RLConfig) -> Path:
     return run_dir
 
 
+def resolve_auto_choices(config: RLConfig) -> RLConfig:
+    """``--precision auto`` and ``--weight-sync-mode auto`` resolved for the devices of the Ray cluster (bf16 and
+    ``shm`` on GPUs: README, "Running on GPUs"), each logged; the run's ``config.yaml`` holds what was chosen."""
+    nodes = ray.nodes()
+    if config.parallel.precision == "auto":
+        config = resolve_precision_for_cluster(config, nodes)
+        logger.info("training precision %s (--precision auto)", config.parallel.precision)
+    if config.run.weight_sync_mode == "auto":
+        config = resolve_sync_mode_for_cluster(config, nodes)
+        logger.info("weight sync mode %s (--weight-sync-mode auto)", config.run.weight_sync_mode)
+    return config
+
+
 def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     """Train with ``config`` (resolved and validated here, with its inputs) and return what happened; Ray is
     started if needed."""
@@ -111,12 +124,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         init_ray(config)
     driver = metrics = None
     try:
-        if config.parallel.precision == "auto":  # the device decides; config.yaml holds what was chosen
-            config = resolve_precision_for_cluster(config, ray.nodes())
-            logger.info("training precision %s (--precision auto)", config.parallel.precision)
-        if config.run.weight_sync_mode == "auto":  # shm on GPUs: README, "Running on GPUs"
-            config = resolve_sync_mode_for_cluster(config, ray.nodes())
-            logger.info("weight sync mode %s (--weight-sync-mode auto)", config.run.weight_sync_mode)
+        config = resolve_auto_choices(config)
         (run_dir / CONFIG_FILE).write_text(config_to_yaml(config), encoding="utf-8")  # --config takes it back
         with startup.record("metrics"):
             metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
