@@ -125,5 +125,20 @@ def exchange_releases(
     # Everyone has read before anyone goes on: rank 0 hosts the store, and a mismatch makes it raise and drop the
     # store, which would turn the others' reads into connection errors instead of the one-line mismatch.
     store.set(f"nccl_release_read/{rank}", "1")
-    store.wait([f"nccl_release_read/{member}" for member in range(world_size)], datetime.timedelta(seconds=timeout_s))
+    try:
+        store.wait(
+            [f"nccl_release_read/{member}" for member in range(world_size)], datetime.timedelta(seconds=timeout_s)
+        )
+    except _store_connection_lost() as error:
+        if rank == 0:
+            raise error
+        # The host (rank 0) saw every read and went on, dropping the store (a mismatch makes it raise at once)
+        # before this member's wait heard back. Every report was read above: the check below needs nothing more.
     return reports
+
+
+def _store_connection_lost() -> type[Exception]:
+    """torch's error for a store whose host went away (imported here: importing this module needs no torch)."""
+    from torch.distributed import DistNetworkError
+
+    return DistNetworkError

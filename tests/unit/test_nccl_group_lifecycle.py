@@ -263,9 +263,14 @@ def run_two(first, second, timeout_s: float = 30.0):
         return [future.result(timeout=timeout_s) for future in futures]
 
 
-def member_checking(port: int, rank: int, release: str | None):
+def member_checking(port: int, rank: int, release: str | None, stores: list | None = None):
+    """A member's check; its store goes into ``stores`` (kept by the test) so rank 0's outlives both threads, as a
+    group's store does in a run."""
+
     def member():
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=10))
+        if stores is not None:
+            stores.append(store)
         _check_nccl_releases(
             group_store_for(store, "sync"), rank=rank, world_size=2, group="sync", timeout_s=10.0, release=release
         )
@@ -286,7 +291,9 @@ def test_members_with_different_nccl_releases_fail_in_one_line_naming_both():
 
 def test_members_with_one_nccl_release_pass_the_check():
     port = find_free_port()
-    assert run_two(member_checking(port, 0, "2.29.7"), member_checking(port, 1, "2.29.7")) == ["same release"] * 2
+    stores: list = []
+    outcomes = run_two(member_checking(port, 0, "2.29.7", stores), member_checking(port, 1, "2.29.7", stores))
+    assert outcomes == ["same release"] * 2
 
 
 def test_creating_an_nccl_group_checks_releases_before_building_the_process_group(monkeypatch):

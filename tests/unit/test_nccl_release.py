@@ -137,3 +137,35 @@ def test_vllm_producers_run_their_own_nccl_never_the_trainers_preload(preload_av
 def test_on_cpu_nothing_is_preloaded(preload_available):
     trainers, producers = actor_groups.actor_environments("transformers", on_gpu=False)
     assert trainers == producers == {}
+
+
+class StoreWhoseHostLeavesAfterTheReads:
+    """A dict store for rank ``rank`` whose host answers the reports but is gone by the read barrier's wait — what a
+    member sees when rank 0 read everything and went on (a mismatch makes it raise and drop the store)."""
+
+    def __init__(self, reports: dict[str, str]) -> None:
+        self.values, self.waits = dict(reports), 0
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+    def wait(self, keys, timeout) -> None:
+        self.waits += 1
+        if self.waits == 2:
+            raise dist.DistNetworkError("failed to recv, got 0 bytes")
+        assert all(key in self.values for key in keys)
+
+
+def test_a_member_keeps_the_reports_it_read_when_the_host_left_before_the_read_barrier():
+    others = {"nccl_release/0": '["host", "2.21.5"]'}
+    store = StoreWhoseHostLeavesAfterTheReads(others)
+    reports = exchange_releases(store, rank=1, world_size=2, who="m1", release="2.29.7", timeout_s=5)
+    assert reports == {0: ("host", "2.21.5"), 1: ("m1", "2.29.7")}
+    with pytest.raises(NcclVersionMismatchError, match="2.21.5 on rank 0"):  # the mismatch, not a connection error
+        check_one_release(reports, group="g")
+    with pytest.raises(dist.DistNetworkError):  # the host itself losing its own store is an error, never hidden
+        exchange_releases(StoreWhoseHostLeavesAfterTheReads({"nccl_release/1": '["m1", "2.29.7"]'}), rank=0,
+                          world_size=2, who="host", release="2.21.5", timeout_s=5)  # fmt: skip
