@@ -185,13 +185,15 @@ class Driver:
         return self._gather_calls(make, remake=True)
 
     def _gather_calls(self, make: Callable[[], list[Calls]], *, remake: bool) -> list[list]:
-        groups = make()
+        groups: list[Calls] | None = None
         retries_without_restart = 0
         while True:
             try:
+                if groups is None:  # making a sync may form its group again, which waits on every producer
+                    groups = make()
                 return gather_groups(groups, self.timeout)
             except RunFailed as failure:
-                calls = [call for group in groups for call in group]
+                calls = [call for group in groups or [] for call in group]  # none: the group's formation failed
                 restarted = self.restarted_producers(failure, calls, whole_sync=remake)
                 retries_without_restart = 0 if restarted else retries_without_restart + 1
                 if retries_without_restart > 2:  # failing again with nobody restarted: not a producer death
@@ -199,7 +201,7 @@ class Driver:
                 self._redo_lost_rounds(restarted)
             if remake:
                 self.sync.broken()
-                groups = make()
+                groups = None
             else:
                 groups = [redo_lost(group) for group in groups]
 

@@ -262,8 +262,16 @@ class StreamLoop:
         driver = self.driver
         ray.wait([call.ref for call in sync.calls], num_returns=len(sync.calls), timeout=driver.timeout)
         self._forget(sync)
-        driver.sync.broken()
-        self._submit("sync", driver.sync.sync_to(sync.subject, reason="sync made again"), sync.subject)
+        for attempt in range(3):
+            driver.sync.broken()
+            try:  # forming the group again waits on every producer: one may die meanwhile
+                calls = driver.sync.sync_to(sync.subject, reason="sync made again")
+                break
+            except RunFailed as failure:  # its lost chunks fail in their own waits, and are handed out again
+                driver.restarted_producers(failure, [], whole_sync=True)  # raises unless producers were restarted
+                if attempt == 2:
+                    raise
+        self._submit("sync", calls, sync.subject)
 
     def _forget(self, item: Waiting) -> None:
         self.waiting.remove(item)
