@@ -43,7 +43,7 @@ LAYOUTS = (
     Layout("DDP bf16"),
     Layout("ZeRO-1", zero_stage=1),
     Layout("ZeRO-2", zero_stage=2),
-    Layout("ZeRO-2, 4 trainers (README's 1-node example)", zero_stage=2, gpus=4),
+    Layout("ZeRO-2, 4 trainers (docs/gpu.md's one-node example)", zero_stage=2, gpus=4),
     Layout("TP=2", tp=2),
     Layout("TP=2 + ZeRO-1", tp=2, zero_stage=1),
     Layout("TP=4", tp=4),

@@ -1,6 +1,7 @@
 """GRPO with the calculator environment on the embedded tool-calling model: eval accuracy and tool-call rate, per seed.
 
-Runs README's command (``python rl_example.py --env calculator -m colossal_rl/assets/tiny_qwen2_tools -d
+Runs the tool guide's command, docs/guides/tools.md (
+``python rl_example.py --env calculator -m colossal_rl/assets/tiny_qwen2_tools -d
 .../arithmetic/train.jsonl -ed '{"arithmetic": ".../arithmetic/eval.jsonl"}' ...``) once per seed, one after the
 other, each in its own process, and prints greedy eval accuracy and eval tool-call rate at every evaluation, the
 training rollouts' tool-call rate at the first and last step, the lift (last eval minus step 0, in points) and the
@@ -32,7 +33,7 @@ from colossal_rl.config import (  # noqa: E402
 from colossal_rl.metrics import read_metrics  # noqa: E402
 
 FLAGS = ("-mnt", "40", "--max-turns", "3", "--max-total-tokens", "128", "-ei", "8")
-"""README's command besides model, data, seed and steps."""
+"""The guide's command besides model, data, seed and steps."""
 
 
 def command(seed: int, steps: int, save_dir: Path) -> list[str]:

@@ -1,6 +1,7 @@
 """GRPO on the embedded tiny VLM: greedy eval accuracy on the shapes-counting task before and after, per seed.
 
-Runs README's command (``python rl_example.py -m colossal_rl/assets/tiny_qwen2_5_vl -d .../shapes/train.jsonl
+Runs the vision guide's command, docs/guides/vision.md (
+``python rl_example.py -m colossal_rl/assets/tiny_qwen2_5_vl -d .../shapes/train.jsonl
 -ed '{"shapes": ".../shapes/eval.jsonl"}' -rt boxed -mnt 12 --max-steps N -ei N/3``) once per seed and layout, one
 after the other, each in its own process, and prints eval accuracy at every evaluation, the lift (last minus
 step 0, in points) and the wall time; the last lines give each layout's mean and smallest lift.

@@ -615,7 +615,7 @@ class RunConfig:
     ``ray_nccl``: Ray's cupy-based NCCL collective group (GPUs only, needs cupy: the ``gpu`` extra)."""
     weight_sync_mode: WeightSyncMode = "auto"
     """How new weights reach the producers (``comm/weight_sync/modes.py``). ``auto``: ``shm`` when the actors run on
-    GPUs (producers on the sender's node then need no NCCL at all: README, "Running on GPUs"), ``broadcast`` on CPUs;
+    GPUs (producers on the sender's node then need no NCCL at all: docs/gpu.md), ``broadcast`` on CPUs;
     resolved at launch and saved so in the run's ``config.yaml``. ``broadcast``: the collective group above. ``shm``: producers on the sending trainer's host read them from double-buffered shared memory
     (``/dev/shm``), producers on other hosts keep the broadcast. ``files``: the trainer writes a
     safetensors file per sync (atomically) into the run directory and producers load it: no collective.

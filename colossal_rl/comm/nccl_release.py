@@ -106,7 +106,7 @@ def check_one_release(reports: Mapping[int, tuple[str, str | None]], *, group: s
         if release != first_release:
             raise NcclVersionMismatchError(
                 f"weight-sync group {group!r}: NCCL {first_release} on rank {ranks[0]} ({first_who}) but NCCL "
-                f"{release} on rank {rank} ({who}); both sides must run NCCL {NCCL_RELEASE} (README: 'GPU machines')"
+                f"{release} on rank {rank} ({who}); both sides must run NCCL {NCCL_RELEASE} (docs/gpu.md, 'NCCL')"
             )
 
 

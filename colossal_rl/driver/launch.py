@@ -82,7 +82,7 @@ def make_run_dir(config: RLConfig) -> Path:
 
 def resolve_auto_choices(config: RLConfig) -> RLConfig:
     """``--precision auto`` and ``--weight-sync-mode auto`` resolved for the devices of the Ray cluster (bf16 and
-    ``shm`` on GPUs: README, "Running on GPUs"), each logged; the run's ``config.yaml`` holds what was chosen."""
+    ``shm`` on GPUs: docs/gpu.md), each logged; the run's ``config.yaml`` holds what was chosen."""
     nodes = ray.nodes()
     if config.parallel.precision == "auto":
         config = resolve_precision_for_cluster(config, nodes)

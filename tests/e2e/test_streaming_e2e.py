@@ -147,7 +147,7 @@ def test_a_producer_killed_mid_run_is_restarted_and_its_rows_generated_again(tmp
 
 
 def test_a_stream_run_of_the_tiny_vlm_with_lora_syncs_only_adapters_and_samples_from_the_trained_policy(tmp_path):
-    """The embedded tiny VLM (README's vision command) with LoRA, one producer and one trainer, at staleness 0: each
+    """The embedded tiny VLM (the vision guide's command, docs/guides/vision.md) with LoRA, one producer and one trainer, at staleness 0: each
     step's groups were generated with the weights the trainer held, so the producer's behaviour log-probs equal the
     trainer's own (``off_policy/logprob_abs_diff``) only if every sync's adapters reached it and were merged in."""
     from safetensors.torch import load_file

@@ -1,7 +1,7 @@
-"""Multi-turn tool calling end to end: README's ``--env calculator`` command on the embedded tool-calling model,
+"""Multi-turn tool calling end to end: the tool guide's (docs/guides/tools.md) ``--env calculator`` command on the embedded tool-calling model,
 shortened to STEPS steps, through ``rl_example.py`` and Ray (1 producer + 1 trainer).
 
-README's 16 steps lift greedy eval accuracy by 46-48 points over 3 seeds (``benchmarks/tool_learning.py``); this
+The guide's 16 steps lift greedy eval accuracy by 46-48 points over 3 seeds (``benchmarks/tool_learning.py``); this
 cheaper run checks the mechanism on seed 0 (deterministic on CPU): GRPO raises the training rollouts' tool-call
 rate and their accuracy, the eval logs its tool-call rate (the pre-trained model, greedy, never calls), and the
 plots draw the tool-use curves.
@@ -35,10 +35,10 @@ from colossal_rl.plot import main as plot_main
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
-"""41 s on 2 cores (44 s with the checkpoints). Measured with README's command on seed 0: rollout tool-call rate
+"""41 s on 2 cores (44 s with the checkpoints). Measured with the guide's command on seed 0: rollout tool-call rate
 0.22, 0.29 at steps 0-1 and 0.44, 0.48 at steps 6-7, rollout accuracy 0.039, 0.078 -> 0.086, 0.148; greedy eval
 (every 2 steps) stays at 0 through step 10 and flips at step 12 (accuracy 0.475, tool-call rate 1.0): too close to
-the end of a 12-step run (60 s) to assert on without flakiness, so the eval lift is README's 16-step
+the end of a 12-step run (60 s) to assert on without flakiness, so the eval lift is the guide's 16-step
 measurement's to show."""
 CHECKPOINT = 4
 """Checkpoints are saved every CHECKPOINT steps; the killed driver is killed once this step's is committed."""
@@ -47,16 +47,15 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def readme_command() -> list[str]:
-    """README's ``python rl_example.py --env calculator ...`` line, as argv after ``rl_example.py``."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Multi-turn tool calling (`--env`)", 1)[1].split("\n## ", 1)[0]
-    (block,) = [b for b in section.split("```bash\n")[1:]]
+    """The tool guide's ``python rl_example.py --env calculator ...`` line, as argv after ``rl_example.py``."""
+    page = (REPO / "docs" / "guides" / "tools.md").read_text()
+    (block,) = [b for b in page.split("```bash\n")[1:] if b.startswith("python rl_example.py --env calculator")]
     line = block.split("```", 1)[0].replace("\\\n", " ")
     return shlex.split(line)[2:]
 
 
 def command(save_dir: Path, *extra: str) -> list[str]:
-    """README's command cut to STEPS steps (eval at 0 and STEPS), checkpoints every CHECKPOINT steps, all kept."""
+    """The guide's command cut to STEPS steps (eval at 0 and STEPS), checkpoints every CHECKPOINT steps, all kept."""
     argv = readme_command()
     steps_at = argv.index("--max-steps")
     argv[steps_at + 1 : steps_at + 2] = [str(STEPS)]

@@ -4,7 +4,7 @@ ZeRO-1 on two trainers with the vision tower frozen, on a random-weight tiny Qwe
 and processor, ``tests/unit/vision_fixtures.py``) and rows of pictures with their image files: two steps with a
 checkpoint per step, then a run resumed from the first checkpoint trains step 2 again exactly as the
 uninterrupted run did (the buffer's batches carry their images through the checkpoint). One producer + one trainer
-(DDP, training the tower too) on the embedded pre-trained tiny VLM with README's command: eval accuracy on the
+(DDP, training the tower too) on the embedded pre-trained tiny VLM with the vision guide's command: eval accuracy on the
 shapes task rises by at least 15 points, and the export loads with its processor.
 """
 
@@ -94,7 +94,7 @@ def test_vision_zero1_with_a_frozen_tower_trains_and_resumes_exactly(vlm, tmp_pa
 
 
 def test_the_readme_command_lifts_the_embedded_vlms_eval_accuracy_and_exports(tmp_path: Path):
-    """README's "try it on CPU" command, 20 steps: GRPO lifts greedy eval accuracy on the shapes task by at least
+    """The vision guide's (docs/guides/vision.md) "try it on CPU" command, 20 steps: GRPO lifts greedy eval accuracy on the shapes task by at least
     15 points (measured: 0.400 -> 0.745 / 0.940 / 0.965 at step 20 for seeds 0 / 1 / 2), evaluating with the
     images, and the export loads with its processor."""
     from transformers import AutoModelForImageTextToText, AutoProcessor

@@ -180,7 +180,7 @@ def test_a_sync_takes_the_restart_copy_before_sending():
 @pytest.mark.parametrize("restarts", [0, 2])
 def test_the_restart_copy_is_taken_only_with_elastic_producers(monkeypatch, restarts):
     """The host copy of the weights every sync costs a device-to-host copy and an object-store put of the whole
-    stage (README "Run lifecycle"); ``--max-actor-restarts 0`` turns it off."""
+    stage (docs/guides/run-lifecycle.md, "Failures"); ``--max-actor-restarts 0`` turns it off."""
     import colossal_rl.driver.actors as actors
 
     put = []

@@ -1,4 +1,4 @@
-"""Every test, benchmark or script file that the package's docstrings, README or benchmarks' README name exists.
+"""Every test, benchmark or script file that the package's docstrings, README, docs/ or benchmarks' README name exists.
 
 A docstring that says "equal to X (the tests in test_x.py)" is a claim a reader checks by opening that file; a
 renamed or merged test file leaves the claim pointing nowhere (two did: test_policy_forward.py and
@@ -18,7 +18,7 @@ SOURCE_TREES = ["colossal_rl", "reward", "benchmarks", "scripts", "tests"]
 
 def named_files() -> dict[str, set[str]]:
     """Path named -> the documents naming it."""
-    documents = [REPO_ROOT / name for name in DOCUMENTS]
+    documents = [REPO_ROOT / name for name in DOCUMENTS] + sorted((REPO_ROOT / "docs").rglob("*.md"))
     documents += [path for tree in SOURCE_TREES for path in sorted((REPO_ROOT / tree).rglob("*.py"))]
     named: dict[str, set[str]] = {}
     for document in documents:
@@ -31,6 +31,7 @@ def test_the_scan_finds_the_references_it_is_for():
     named = named_files()
     assert "colossal_rl/vision/rope.py" in named["tests/unit/test_vision.py"]
     assert "README.md" in named["benchmarks/vision_learning.py"]
+    assert "docs/guides/vision.md" in named["benchmarks/vision_learning.py"]
 
 
 def test_every_named_test_benchmark_or_script_file_exists():

@@ -1,6 +1,6 @@
-"""README's "Running on GPUs", read from README.md so it cannot drift: its command lines build valid configs whose
-actors fit one and two 8-GPU nodes, its multi-node lines join the cluster ``ray start`` made, and the pins it
-states are setup.py's.
+"""The GPU deployment page and the cluster guide (docs/gpu.md, docs/guides/cluster.md), read from the pages so they
+cannot drift: their command lines build valid configs whose actors fit one and two 8-GPU nodes, the multi-node
+lines join the cluster ``ray start`` made, and the pins they state are setup.py's.
 
 vLLM cannot be installed here, so its presence check (``vllm_installed``) is the one thing replaced."""
 
@@ -24,13 +24,12 @@ sys.path.insert(0, str(REPO_ROOT))  # rl_example.py is a script at the repo root
 
 from rl_example import build_parser, config_from_args  # noqa: E402
 
-SECTION = "## Running on GPUs"
+PAGES = ["docs/gpu.md", "docs/guides/cluster.md"]
+"""The install and one-node commands, then the several-node ones, in that order."""
 
 
 def gpu_section() -> str:
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert SECTION in readme, f"README.md has no {SECTION!r} section"
-    return readme.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    return "\n".join((REPO_ROOT / page).read_text() for page in PAGES)
 
 
 def shell_lines() -> list[str]:
@@ -106,7 +105,7 @@ def test_readme_states_setup_pins(package):
     (requirement,) = [r for r in install_requires + gpu_extra if re.split(r"[=<>]", r, maxsplit=1)[0] == package]
     name, version = re.match(r"([\w\-\[\]]+?)(?:\[\w+\])?(==|<)(.+)", requirement).group(1, 3)
     stated = {"ray": f"Ray {version}"}.get(name, f"{name} {version}")
-    assert stated in gpu_section(), f"README's GPU section does not state setup.py's {requirement}"
+    assert stated in gpu_section(), f"the GPU pages do not state setup.py's {requirement}"
     assert 'pip install -e ".[gpu]"' in shell_lines()[0]
 
 

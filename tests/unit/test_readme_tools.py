@@ -1,4 +1,4 @@
-"""README's "Multi-turn tool calling": its CPU command trains the embedded tool-calling model on its arithmetic task
+"""The tool guide (docs/guides/tools.md): its CPU command trains the embedded tool-calling model on its arithmetic task
 through the calculator environment, the command ``benchmarks/tool_learning.py`` measures and
 ``tests/e2e/test_tool_calling_e2e.py`` runs (shortened)."""
 

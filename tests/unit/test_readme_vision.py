@@ -1,4 +1,4 @@
-"""README's "Vision-language models": its CPU command runs the embedded tiny VLM on its shapes task (the command
+"""The vision-language guide (docs/guides/vision.md): its CPU command runs the embedded tiny VLM on its shapes task (the command
 ``tests/e2e/test_vision_e2e.py`` and ``benchmarks/vision_learning.py`` run), and its GPU command line builds a
 valid config that fills one 8-GPU node."""
 
@@ -17,12 +17,11 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from rl_example import build_parser, config_from_args  # noqa: E402
 
-SECTION = "## Vision-language models (Qwen2.5-VL)"
+PAGE = REPO_ROOT / "docs" / "guides" / "vision.md"
 
 
 def commands() -> list[list[str]]:
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    section = PAGE.read_text()
     blocks = "\n".join(re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)).replace("\\\n", " ")
     return [shlex.split(line)[2:] for line in blocks.splitlines() if line.startswith("python rl_example.py")]
 

@@ -1,5 +1,5 @@
 """The round schedule's driver loop (``run.Driver.run``), on fake actor groups (no Ray): the calls it submits, in
-order, are the schedule (README, "How it works"): the first ``n_behind + 1`` rounds' ``produce`` and the eval
+order, are the schedule (docs/concepts.md, "The round schedule"): the first ``n_behind + 1`` rounds' ``produce`` and the eval
 before training behind round 0's, then per round ``train_round(r)``, the sync to ``r + 1`` and ``produce(r + 1 +
 n_behind)``; nothing is produced past the last round, and ``--max-steps`` exactly met ends the run at that round.
 """

@@ -4,8 +4,8 @@ The trainer runs a whole round (a reference model for the KL term, several chunk
 per step, recomputed old log-probs) with the accelerator's device set to ``fake_accelerator``'s device:
 every input, the reference model and every collective's scalar must be moved there, or an operator mixes
 devices and raises — as on a GPU. The same round on the host must give the same numbers, so the fake
-device changes where tensors are, not what is computed. Checked by hand (see README "Tests that can
-fail"): leaving the step's chunks on the host, the reference model on the host, or the data-parallel
+device changes where tensors are, not what is computed. Checked by hand (see docs/contributing/testing.md, "Tests
+that can fail"): leaving the step's chunks on the host, the reference model on the host, or the data-parallel
 sums on the host each makes ``test_round_on_a_second_device_equals_the_host_run`` fail.
 """
 

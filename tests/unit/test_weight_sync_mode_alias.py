@@ -94,7 +94,7 @@ def test_a_wrong_mode_is_refused_naming_the_field(tmp_path, capsys):
 
 
 def test_auto_is_shm_on_gpu_clusters_and_broadcast_on_cpu_ones():
-    """Producers on the sender's GPU node need no NCCL group with the trainers (README, "Running on GPUs")."""
+    """Producers on the sender's GPU node need no NCCL group with the trainers (docs/gpu.md, "Weight sync on GPUs")."""
     from colossal_rl.config import resolve_weight_sync_mode
     from colossal_rl.driver.placement import resolve_sync_mode_for_cluster
 

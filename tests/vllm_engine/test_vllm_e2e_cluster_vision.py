@@ -142,7 +142,7 @@ VLM_STEPS = 6
 
 
 def test_the_tiny_vlm_on_vllm_stays_on_policy_at_every_step_also_after_a_producer_restart(producer_python, tmp_path):
-    """README's vision-language command on ``-b vllm``, fully on policy (``-nb 0``), its producer killed by SIGKILL
+    """The vision guide's command (docs/guides/vision.md) on ``-b vllm``, fully on policy (``-nb 0``), its producer killed by SIGKILL
     once training has started: producers generate from the shapes task's pictures on the real engine; Ray restarts
     the producer, which gets the last synced weights (language model and vision tower) from the object store and the
     rounds it lost; every sync before and after reaches the engine — the trainer's recomputed log-probs equal vLLM's
