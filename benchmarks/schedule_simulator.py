@@ -45,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from colossal_rl.schedule.events import ChunkOrder, FinishedGroup  # noqa: E402
-from colossal_rl.schedule.prompts import shuffled_rows  # noqa: E402
+from colossal_rl.schedule.prompts import episode_rows  # noqa: E402
 from colossal_rl.schedule.rounds import RoundScheduler, RoundSettings  # noqa: E402
 from colossal_rl.schedule.streaming import StreamingScheduler, StreamingSettings  # noqa: E402
 
@@ -386,7 +386,7 @@ def round_scheduler(shape: Shape) -> RoundScheduler:
         n_behind=shape.n_behind,
         total_rounds=math.ceil(shape.steps / steps_per_round / shape.keep),  # enough kept groups for the steps
     )
-    return RoundScheduler(settings, shuffled_rows(shape.num_rows, shape.seed))
+    return RoundScheduler(settings, episode_rows(shape.num_rows, shape.seed))
 
 
 def streaming_scheduler(shape: Shape) -> StreamingScheduler:
@@ -403,7 +403,7 @@ def streaming_scheduler(shape: Shape) -> StreamingScheduler:
         total_steps=shape.steps,
         on_straggler=shape.on_straggler,
     )
-    return StreamingScheduler(settings, shuffled_rows(shape.num_rows, shape.seed))
+    return StreamingScheduler(settings, episode_rows(shape.num_rows, shape.seed))
 
 
 @dataclass(frozen=True)

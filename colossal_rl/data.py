@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataError", "EpisodeSchedule", "PromptDataset", "build_messages", "encode_prompt", "load_prompt_dataset"]
+__all__ = ["DataError", "PromptDataset", "build_messages", "encode_prompt", "load_prompt_dataset"]
 
 
 def build_messages(row_messages: Any, system_prompt: str | None) -> list[dict[str, str]]:
@@ -169,40 +169,3 @@ def load_prompt_dataset(
         dropped_too_many_images=too_many_images,
         system_prompt=system_prompt,
     )
-
-
-@dataclass(frozen=True)
-class EpisodeSchedule:
-    """Which dataset rows producer ``p`` generates in round ``r``: a pure function of (seed, episode, round, p).
-
-    Each episode is one seeded permutation of the rows; round ``r`` of an episode takes the next
-    ``num_producers * prompts_per_producer`` rows of it, producer ``p`` its own contiguous slice.
-    The last ``num_rows % rows_per_round`` rows of each permutation are not used in that episode
-    (reported by :meth:`unused_rows_per_episode`); a new permutation each episode means no row is
-    skipped systematically. Being pure, it makes resume exact: no sampler state to save.
-    """
-
-    num_rows: int
-    num_producers: int
-    prompts_per_producer: int
-    seed: int
-
-    @property
-    def rows_per_round(self) -> int:
-        return self.num_producers * self.prompts_per_producer
-
-    @property
-    def rounds_per_episode(self) -> int:
-        return self.num_rows // self.rows_per_round
-
-    def unused_rows_per_episode(self) -> int:
-        return self.num_rows - self.rounds_per_episode * self.rows_per_round
-
-    def rows_for(self, global_round: int, producer_rank: int) -> list[int]:
-        episode, round_in_episode = divmod(global_round, self.rounds_per_episode)
-        import torch  # here, not at import: the driver reads datasets and counts rounds without torch
-
-        generator = torch.Generator().manual_seed(self.seed + episode)
-        order = torch.randperm(self.num_rows, generator=generator)
-        start = round_in_episode * self.rows_per_round + producer_rank * self.prompts_per_producer
-        return order[start : start + self.prompts_per_producer].tolist()

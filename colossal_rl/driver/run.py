@@ -56,7 +56,8 @@ def resume_hint(run_dir: Path) -> str:
 
 
 def total_rounds(config: RLConfig, num_rows: int) -> int:
-    from colossal_rl.data import DataError, EpisodeSchedule
+    from colossal_rl.data import DataError
+    from colossal_rl.schedule.prompts import EpisodeSchedule
 
     schedule = EpisodeSchedule(num_rows, config.schedule.num_producers, config.schedule.inference_batch_size, 0)
     if schedule.rounds_per_episode == 0:

@@ -40,7 +40,7 @@ from colossal_rl.driver.save_and_resume import save_run
 from colossal_rl.metrics import merge_rank_step_metrics
 from colossal_rl.run_outputs import write_rollout_samples
 from colossal_rl.schedule.events import ChunkOrder, StepOrder, TrainGroup
-from colossal_rl.schedule.prompts import shuffled_rows
+from colossal_rl.schedule.prompts import episode_rows
 from colossal_rl.schedule.streaming import StreamingScheduler, StreamingSettings
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class StreamLoop:
         self.config = driver.config
         self.total_steps = total_steps
         self.scheduler = StreamingScheduler(
-            stream_settings(self.config, total_steps), shuffled_rows(driver.train_rows, self.config.data.seed)
+            stream_settings(self.config, total_steps), episode_rows(driver.train_rows, self.config.data.seed)
         )
         if resumed is not None:
             self.scheduler.restore(resumed, requeue_waiting=True)

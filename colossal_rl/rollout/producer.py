@@ -22,7 +22,7 @@ import torch
 from colossal_rl.batch import RolloutBatch, multi_version_fractions, pad_to
 from colossal_rl.comm.token_balance import group_token_costs
 from colossal_rl.config import RLConfig, resolve_precision
-from colossal_rl.data import EpisodeSchedule, ImagePrompting, PromptDataset, load_prompt_dataset
+from colossal_rl.data import ImagePrompting, PromptDataset, load_prompt_dataset
 from colossal_rl.data_sources import RowKeys
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.prompts import system_prompt_for
@@ -37,6 +37,7 @@ from colossal_rl.rollout.backend_factory import create_backend
 from colossal_rl.rollout.eval_result import EvalResult, mean_and_pass_at_k
 from colossal_rl.rollout.postprocess import postprocess_rollout
 from colossal_rl.schedule.events import FinishedGroup
+from colossal_rl.schedule.prompts import EpisodeSchedule
 
 logger = logging.getLogger(__name__)
 

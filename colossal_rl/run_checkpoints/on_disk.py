@@ -12,7 +12,7 @@ Everything is written into ``.step_<N>.tmp`` first and renamed when complete, so
 mid-save leaves the previous checkpoint intact and never a half one. A file damaged afterwards (a
 truncated shard, a disk error) is named by :func:`verify` before anything is loaded. Data positions need no
 saving: which rows a producer generates in round ``r`` is a pure function of (seed, episode,
-round, producer) (see ``data.EpisodeSchedule``), and sampling is reseeded per (round, producer),
+round, producer) (see ``schedule/prompts.EpisodeSchedule``), and sampling is reseeded per (round, producer),
 so the next round index is the sampler position of every producer at once. With several nodes,
 ``--save-dir`` must be on a filesystem every trainer node can write.
 """

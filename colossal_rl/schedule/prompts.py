@@ -1,31 +1,72 @@
-"""The order prompts are handed out in: each episode's rows in its epoch order, rows given back first.
+"""The one order prompts are handed out in, for every schedule: each episode is one seeded permutation of the
+training rows (:func:`episode_rows`).
 
-A row is handed out at most once per episode: from the episode's order (a cursor that only moves forward), or
-again only after it was given back (``requeue``: a chunk in flight at a checkpoint, whose groups were never
-received). Pure bookkeeping; which rows an episode holds and in what order is the caller's ``epoch_rows``.
+The round schedule cuts an episode's order into rounds, each producer its own contiguous slice
+(:class:`EpisodeSchedule`, a pure function of seed, round and producer: resume needs no sampler state). The stream
+schedule hands the same order out chunk by chunk (:class:`EpochOrder`): a row at most once per episode, from a
+cursor that only moves forward, or again only after it was given back (``requeue``: a chunk in flight at a
+checkpoint, or lost with its producer).
 """
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 EpochRows = Callable[[int], Sequence[int]]
 """Episode index -> that episode's dataset rows in the order they are handed out (each row at most once)."""
 
 
-def shuffled_rows(num_rows: int, seed: int) -> EpochRows:
-    """Every row once per episode, in a seeded shuffle per episode (``random``, no torch: the driver's)."""
+def episode_rows(num_rows: int, seed: int) -> EpochRows:
+    """Every row once per episode: episode ``e``'s order is ``torch.randperm(num_rows)`` seeded ``seed + e``. A new
+    permutation each episode means no row is left out systematically where an episode does not use them all."""
     if num_rows < 1:
         raise ValueError(f"num_rows must be >= 1, got {num_rows}")
 
     def rows(episode: int) -> list[int]:
-        order = list(range(num_rows))
-        random.Random(seed * 1_000_003 + episode).shuffle(order)
-        return order
+        import torch  # here, not at import: the driver and the simulator count rounds without torch
+
+        return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + episode)).tolist()
 
     return rows
+
+
+def round_slice(order: Sequence[int], round_in_episode: int, producer_rank: int, prompts_per_producer: int,
+                num_producers: int) -> list[int]:  # fmt: skip
+    """Producer ``producer_rank``'s rows of round ``round_in_episode``, cut from its episode's ``order``: rounds take
+    consecutive ``num_producers * prompts_per_producer`` rows of it, each producer its own contiguous slice."""
+    start = (round_in_episode * num_producers + producer_rank) * prompts_per_producer
+    return list(order[start : start + prompts_per_producer])
+
+
+@dataclass(frozen=True)
+class EpisodeSchedule:
+    """Which rows producer ``p`` generates in round ``r`` (:func:`episode_rows` cut by :func:`round_slice`).
+
+    The last ``num_rows % rows_per_round`` rows of each episode's order are not used in that episode (reported by
+    :meth:`unused_rows_per_episode`)."""
+
+    num_rows: int
+    num_producers: int
+    prompts_per_producer: int
+    seed: int
+
+    @property
+    def rows_per_round(self) -> int:
+        return self.num_producers * self.prompts_per_producer
+
+    @property
+    def rounds_per_episode(self) -> int:
+        return self.num_rows // self.rows_per_round
+
+    def unused_rows_per_episode(self) -> int:
+        return self.num_rows - self.rounds_per_episode * self.rows_per_round
+
+    def rows_for(self, global_round: int, producer_rank: int) -> list[int]:
+        episode, round_in_episode = divmod(global_round, self.rounds_per_episode)
+        order = episode_rows(self.num_rows, self.seed)(episode)
+        return round_slice(order, round_in_episode, producer_rank, self.prompts_per_producer, self.num_producers)
 
 
 class EpochOrder:

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from colossal_rl.schedule.events import ChunkOrder, FinishedGroup, StepOrder, TrainGroup, require_setting
-from colossal_rl.schedule.prompts import EpochRows
+from colossal_rl.schedule.prompts import EpochRows, round_slice
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,8 +92,8 @@ class RoundScheduler:
         episode, round_in_episode = divmod(round_index, rounds_per_episode)
         if episode not in self._orders:
             self._orders[episode] = list(self._epoch_rows(episode))
-        start = round_in_episode * rows_per_round + producer_rank * size
-        return episode, tuple(self._orders[episode][start : start + size])
+        order = self._orders[episode]
+        return episode, tuple(round_slice(order, round_in_episode, producer_rank, size, self.settings.num_producers))
 
     # ------------------------------------------------------------------ decisions
     def admit(self) -> list[ChunkOrder]:

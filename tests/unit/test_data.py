@@ -10,12 +10,12 @@ from transformers import AutoTokenizer
 from colossal_rl.config import EMBEDDED_MODEL_DIR
 from colossal_rl.data import (
     DataError,
-    EpisodeSchedule,
     build_messages,
     encode_prompt,
     load_prompt_dataset,
 )
 from colossal_rl.data_sources import load_prompt_rows
+from colossal_rl.schedule.prompts import EpisodeSchedule
 
 
 def row(content: str, answer: str = "0") -> dict:

@@ -9,7 +9,7 @@ import pytest
 from schedule_driving import RandomDriver
 
 from colossal_rl.schedule.events import ChunkOrder, FinishedGroup
-from colossal_rl.schedule.prompts import shuffled_rows
+from colossal_rl.schedule.prompts import episode_rows
 from colossal_rl.schedule.rounds import RoundScheduler, RoundSettings
 
 
@@ -91,7 +91,7 @@ def test_a_round_with_too_few_kept_groups_for_a_step_still_ends():
 def test_random_event_orders_follow_the_round_rules(n_behind, seed):
     settings = RoundSettings(num_producers=3, prompts_per_producer=2, groups_per_step=2, n_behind=n_behind,
                              total_rounds=8)  # fmt: skip
-    scheduler = RoundScheduler(settings, shuffled_rows(24, seed))  # 4 rounds per episode
+    scheduler = RoundScheduler(settings, episode_rows(24, seed))  # 4 rounds per episode
 
     def check(orders: list[ChunkOrder]) -> None:
         for order in orders:

@@ -11,7 +11,7 @@ import pytest
 from schedule_driving import RandomDriver
 
 from colossal_rl.schedule.events import ChunkOrder, FinishedGroup
-from colossal_rl.schedule.prompts import shuffled_rows
+from colossal_rl.schedule.prompts import episode_rows
 from colossal_rl.schedule.streaming import StreamingScheduler, StreamingSettings
 
 
@@ -199,7 +199,7 @@ def test_random_event_orders_keep_every_bound(case, seed, on_straggler):
     total_steps = num_rows * episodes // CASES[case]["groups_per_step"]
     scheduler = StreamingScheduler(
         StreamingSettings(**CASES[case], total_steps=total_steps, num_episodes=episodes, on_straggler=on_straggler),
-        shuffled_rows(num_rows, seed),
+        episode_rows(num_rows, seed),
     )
     driver = RandomDriver(scheduler, seed, keep=0.7, partial=seed % 2 == 1, on_admit=bound_checker(scheduler))
     driver.run()
@@ -225,7 +225,7 @@ def test_without_filtering_every_row_is_trained_exactly_once(case, seed):
     num_rows, episodes = 36, 2
     total_steps = num_rows * episodes // CASES[case]["groups_per_step"]
     scheduler = StreamingScheduler(
-        StreamingSettings(**CASES[case], total_steps=total_steps, on_straggler="wait"), shuffled_rows(num_rows, 7)
+        StreamingSettings(**CASES[case], total_steps=total_steps, on_straggler="wait"), episode_rows(num_rows, 7)
     )
     driver = RandomDriver(scheduler, seed, on_admit=bound_checker(scheduler))
     driver.run()
@@ -239,7 +239,7 @@ def test_a_snapshot_mid_flight_loses_no_row_and_trains_none_twice(seed, requeue_
     num_rows, episodes = 30, 2
     make = lambda: StreamingScheduler(  # noqa: E731
         StreamingSettings(**CASES[1], total_steps=num_rows * episodes // 4, on_straggler="wait"),
-        shuffled_rows(num_rows, seed),
+        episode_rows(num_rows, seed),
     )
     first = make()
     before = RandomDriver(first, seed, partial=True)
@@ -325,7 +325,7 @@ def test_losing_random_chunks_still_trains_every_row_exactly_once(case, seed):
     total_steps = num_rows * episodes // CASES[case]["groups_per_step"]
     scheduler = StreamingScheduler(
         StreamingSettings(**CASES[case], total_steps=total_steps, on_straggler="wait", num_episodes=episodes),
-        shuffled_rows(num_rows, seed),
+        episode_rows(num_rows, seed),
     )
     driver = RandomDriver(scheduler, seed, partial=True, on_admit=bound_checker(scheduler))
     for _ in range(100_000):
