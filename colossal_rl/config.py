@@ -808,12 +808,10 @@ class RLConfig:
         _require_choice(sched.mode, ScheduleMode, "schedule.mode")
         if sched.mode != "stream":
             return
-        _require(
-            sched.max_staleness >= sched.sync_every_steps - 1,
-            "schedule.max_staleness",
-            f"must be >= sync_every_steps - 1 = {sched.sync_every_steps - 1} in stream mode, got "
-            f"{sched.max_staleness}: groups generated between syncs every that many steps are that stale",
-        )
+        from colossal_rl.schedule.streaming import staleness_bound_problem
+
+        problem = staleness_bound_problem(sched.max_staleness, sched.sync_every_steps)
+        _require(problem is None, "schedule.max_staleness", f"{problem} (stream mode)")
         unsupported = (
             (self.parallel.pp_size > 1, "pipeline parallelism yet: use -pp 1"),
             (self.train.ppo_epochs > 1, "several passes over a step's samples: use --ppo-epochs 1"),

@@ -76,12 +76,19 @@ class StreamingSettings:
             "on_straggler",
             f"must be 'drop' or 'wait', got {self.on_straggler!r}",
         )
-        require_setting(
-            self.max_staleness >= self.sync_every_steps - 1,
-            "max_staleness",
-            f"must be >= sync_every_steps - 1 = {self.sync_every_steps - 1}, got {self.max_staleness}: groups "
-            "generated with a version synced every that many steps are staler than that before they are trained",
-        )
+        problem = staleness_bound_problem(self.max_staleness, self.sync_every_steps)
+        require_setting(problem is None, "max_staleness", problem or "")
+
+
+def staleness_bound_problem(max_staleness: int, sync_every_steps: int) -> str | None:
+    """Why a staleness bound ``max_staleness`` cannot hold with a sync every ``sync_every_steps`` steps (None: it
+    can). The one statement of the rule, for the scheduler's settings and the config's flags alike."""
+    if max_staleness >= sync_every_steps - 1:
+        return None
+    return (
+        f"must be >= sync_every_steps - 1 = {sync_every_steps - 1}, got {max_staleness}: groups generated with a "
+        "version synced every that many steps are staler than that before they are trained"
+    )
 
 
 @dataclass
