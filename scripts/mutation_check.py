@@ -853,6 +853,32 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_config_resolve.py::test_every_derived_field_in_each_schedule_follows_that_schedules_lag[stream-0-1-True]",
         ),
     ),
+    Mutation(
+        name="round_sync_formed_outside_recovery",
+        why="the round loop makes a sync (which may form its group again) outside the restart recovery: a producer "
+        "dying as the group forms ends a run the restart budget allowed",
+        path="colossal_rl/driver/run.py",
+        old="""                self.sync.broken()
+                groups = None""",
+        new="""                self.sync.broken()
+                groups = make()""",
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::test_a_producer_death_while_the_sync_group_forms_again_is_recovered_and_the_sync_made",
+        ),
+    ),
+    Mutation(
+        name="stream_sync_formed_outside_recovery",
+        why="the stream loop's remade sync lets a producer death during the group's formation end the run",
+        path="colossal_rl/driver/stream_loop.py",
+        old="""            except RunFailed as failure:  # its lost chunks fail in their own waits, and are handed out again
+                driver.restarted_producers(failure, [], whole_sync=True)  # raises unless producers were restarted
+                if attempt == 2:""",
+        new="""            except RunFailed as failure:  # its lost chunks fail in their own waits, and are handed out again
+                if True:""",
+        tests=(
+            "tests/unit/test_stream_loop_decisions.py::test_a_producer_death_while_a_broken_sync_forms_again_is_recovered_then_the_sync_made_again",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

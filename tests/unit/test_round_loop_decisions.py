@@ -98,3 +98,45 @@ def test_max_steps_exactly_met_ends_the_run_at_that_round(max_steps, rounds_trai
     trained = [entry for entry in schedule(driver.log) if entry.startswith("train_round")]
     assert trained == [f"train_round({r})" for r in range(rounds_trained)]
     assert driver.step >= max_steps and driver.progress.policy_version == rounds_trained
+
+
+# --- recovery: a producer death while a sync's group forms again ---------------------------------------------
+
+
+def fail_first_joins(driver: Driver, failures: int) -> list[str]:
+    """The sync's waits raise RunFailed (a producer died) on its first ``failures`` formations; what happened."""
+    seen: list[str] = []
+    wait = driver.sync.wait
+
+    def formation_wait(groups):
+        if any(call.method == "join_weight_sync" for calls in groups for call in calls) and len(seen) < failures:
+            seen.append("join failed")
+            raise run.RunFailed("producer 1 died", {groups[-1][1].actor: "died"})
+        return wait(groups)
+
+    driver.sync.wait = formation_wait
+    return seen
+
+
+def test_a_producer_death_while_the_sync_group_forms_again_is_recovered_and_the_sync_made(monkeypatch, tmp_path):
+    driver = fake_driver(config(0), monkeypatch, tmp_path)
+    restarts: list = []
+    driver.restarted_producers = lambda failure, calls, whole_sync: restarts.append((calls, whole_sync)) or [1]
+    driver._redo_lost_rounds = lambda ranks: None
+    driver.sync.broken()  # a restart broke the group: the next sync forms it again first
+    seen = fail_first_joins(driver, failures=2)  # the second death lands as the group forms after the first
+    driver._sync_weights(3, reason="test")
+    assert seen == ["join failed"] * 2 and restarts == [([], True)] * 2  # no sync call was made yet either time
+    assert driver.progress.policy_version == 3 and not driver.sync.stale
+    pushed = [args for actor, method, args in driver.log if method == "push_weights"]
+    assert pushed == [(3,)]  # the sync was made once, on the group formed the second time
+
+
+def test_formation_failures_with_nobody_restarted_end_the_run(monkeypatch, tmp_path):
+    driver = fake_driver(config(0), monkeypatch, tmp_path)
+    driver.restarted_producers = lambda failure, calls, whole_sync: []
+    driver._redo_lost_rounds = lambda ranks: None
+    driver.sync.broken()
+    fail_first_joins(driver, failures=10)
+    with pytest.raises(run.RunFailed, match="producer 1 died"):
+        driver._sync_weights(3, reason="test")

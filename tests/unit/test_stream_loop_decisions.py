@@ -252,3 +252,52 @@ def test_a_checkpoint_between_steps_saves_the_trainers_version_and_the_scheduler
             assert saved == []
     assert [kw["progress"].policy_version for kw in saved] == [2]  # versions count steps
     assert saved[0]["stream_schedule"]["steps_done"] == 2 and driver.last_saved_step == 2
+
+
+def test_a_producer_death_while_a_broken_sync_forms_again_is_recovered_then_the_sync_made_again(monkeypatch):
+    loop, driver = loop_on(config())
+    loop._decide()
+    answer(loop, "chunk"), answer(loop, "chunk")
+    loop._decide()  # the step
+    answer(loop, "step")
+    loop._decide()  # the sync to version 1
+    sync = next(item for item in loop.waiting if item.kind == "sync")
+    monkeypatch.setattr(stream_loop.ray, "wait", lambda refs, **kwargs: (refs, []))
+    formations, restarts = [], []
+    wait = driver.sync.wait
+
+    def formation_wait(groups):
+        if any(call.method == "join_weight_sync" for calls in groups for call in calls):
+            formations.append(len(formations))
+            if len(formations) == 1:
+                raise RunFailed("producer 0 died", {groups[-1][0].actor: "died"})
+        return wait(groups)
+
+    driver.sync.wait = formation_wait
+    driver.restarted_producers = lambda failure, calls, whole_sync: restarts.append(whole_sync) or [0]
+    calls(driver)
+    loop._remake_sync(sync)
+    assert formations == [0, 1] and restarts == [True]
+    remade = [item for item in loop.waiting if item.kind == "sync"]
+    assert [item.subject for item in remade] == [sync.subject] and remade[0] is not sync
+    assert calls(driver)[-3:] == [("trainer 0", "push_weights"), ("producer 0", "receive_weights"),
+                                  ("producer 1", "receive_weights")]  # fmt: skip
+
+
+def test_a_sync_that_cannot_form_three_times_ends_the_run(monkeypatch):
+    loop, driver = loop_on(config())
+    loop._decide()
+    answer(loop, "chunk"), answer(loop, "chunk")
+    loop._decide()
+    answer(loop, "step")
+    loop._decide()
+    sync = next(item for item in loop.waiting if item.kind == "sync")
+    monkeypatch.setattr(stream_loop.ray, "wait", lambda refs, **kwargs: (refs, []))
+
+    def formation_wait(groups):
+        raise RunFailed("producer 0 died", {groups[-1][0].actor: "died"})
+
+    driver.sync.wait = formation_wait
+    driver.restarted_producers = lambda failure, calls, whole_sync: [0]
+    with pytest.raises(RunFailed, match="producer 0 died"):
+        loop._remake_sync(sync)
