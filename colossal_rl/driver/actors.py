@@ -185,7 +185,10 @@ class ProducerActor:
         reward = config.reward
         with self.startup.record("reward"):
             scorer = build_reward_scorer(
-                reward_type=reward.reward_type, code_verifier_url=reward.code_verifier_url, reward_fn=reward.reward_fn
+                reward_type=reward.reward_type,
+                code_verifier_url=reward.code_verifier_url,
+                reward_fn=reward.reward_fn,
+                reward_timeout_s=reward.reward_timeout_s,
             )
         self.rank = rank
         self.config = config
