@@ -556,6 +556,11 @@ class RewardConfig:
     """Stop the run when more than this fraction of a producer's rewards so far (from 64 on) failed for
     infrastructure reasons (verifier down, plug-in raising): its results would mean nothing."""
 
+    @property
+    def label(self) -> str:
+        """Which reward scores, for messages: ``--reward-fn path/to/file.py:function`` or ``-rt boxed``."""
+        return f"--reward-fn {self.reward_fn}" if self.reward_fn is not None else f"-rt {self.reward_type}"
+
     def validate(self) -> None:
         _require(
             math.isfinite(self.reward_timeout_s) and self.reward_timeout_s > 0,

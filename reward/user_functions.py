@@ -105,7 +105,7 @@ class PluginScorer:
             self._pool.close()
 
 
-PLUGIN_FACTORY = "colossal_rl.reward.user_functions:plugin_record_function"
+PLUGIN_FACTORY = f"{__name__}:plugin_record_function"
 """What a bounded-call worker calls with the spec, to get the function it runs."""
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from colossal_rl.reward import build_reward_scorer
 from colossal_rl.reward.bounded_calls import BoundedCallPool
+from colossal_rl.reward.user_functions import PLUGIN_FACTORY
 
 PLUGIN = textwrap.dedent(
     """
@@ -68,7 +69,7 @@ def test_a_hanging_plugin_costs_only_its_samples_and_the_limit(plugin_spec):
 
 
 def test_close_kills_a_worker_stuck_in_a_call(plugin_spec):
-    pool = BoundedCallPool("colossal_rl.reward.user_functions:plugin_record_function", plugin_spec, timeout_s=60.0)
+    pool = BoundedCallPool(PLUGIN_FACTORY, plugin_spec, timeout_s=60.0)
     assert pool.call("quick", {}).value.reward == 5.0
     pids = pool.worker_pids()
     assert len(pids) == 2 and {p.pid for p in worker_processes()} == set(pids)
@@ -136,7 +137,7 @@ def test_a_plugin_that_fails_to_load_in_the_worker_is_an_infra_error(tmp_path):
     path.write_text(
         "import os\nif os.environ.get('COLOSSAL_RL_BOUNDED_WORKER_SYS_PATH'):\n    raise ImportError('x')\n"
     )
-    pool = BoundedCallPool("colossal_rl.reward.user_functions:plugin_record_function", f"{path}:f", timeout_s=5.0)
+    pool = BoundedCallPool(PLUGIN_FACTORY, f"{path}:f", timeout_s=5.0)
     try:
         outcome = pool.call("a", {})
     finally:
