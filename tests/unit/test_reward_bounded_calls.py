@@ -17,10 +17,13 @@ from colossal_rl.reward.user_functions import PLUGIN_FACTORY
 
 PLUGIN = textwrap.dedent(
     """
+    import pathlib
     import time
 
     def score(response, row):
         if response.startswith("hang"):
+            if "marker" in row:  # tells the test the call has begun
+                pathlib.Path(row["marker"]).write_text("hanging")
             while True:
                 time.sleep(1)
         if response == "boom":
@@ -91,15 +94,19 @@ def test_workers_die_with_their_parent(plugin_spec, tmp_path):
             scorer = build_reward_scorer(reward_fn={plugin_spec!r}, reward_timeout_s=600)
             scorer.score_batch(["warm"], [{{}}])
             print(*scorer._pool.worker_pids(), flush=True)
-            scorer.score_batch(["hang"], [{{}}])
+            scorer.score_batch(["hang"], [{{"marker": {str(tmp_path / "hanging")!r}}}])
             """
         )
     )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
     try:
         pids = [int(pid) for pid in parent.stdout.readline().split()]
         assert len(pids) == 2
-        time.sleep(0.3)  # one worker is now inside the hanging call
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "hanging").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "hanging").exists()  # one worker is now inside the hanging call
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + 5
@@ -109,6 +116,9 @@ def test_workers_die_with_their_parent(plugin_spec, tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+        for pid in pids:  # a failed check leaves no orphan behind either
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
