@@ -549,11 +549,24 @@ class RewardConfig:
     """HTTP verifier for code rewards; None runs the local sandbox."""
     reward_fn: str | None = None
     """User plug-in ``path/to/file.py:function`` or ``module:function``; overrides reward_type's scorer."""
+    reward_timeout_s: float = 10.0
+    """Seconds a reward plug-in may take on one sample (it runs in worker processes); past it the worker is killed
+    and replaced, and the sample is an infra_error naming the plug-in and the limit."""
     max_infra_error_fraction: float = 0.5
     """Stop the run when more than this fraction of a producer's rewards so far (from 64 on) failed for
     infrastructure reasons (verifier down, plug-in raising): its results would mean nothing."""
 
+    @property
+    def label(self) -> str:
+        """Which reward scores, for messages: ``--reward-fn path/to/file.py:function`` or ``-rt boxed``."""
+        return f"--reward-fn {self.reward_fn}" if self.reward_fn is not None else f"-rt {self.reward_type}"
+
     def validate(self) -> None:
+        _require(
+            math.isfinite(self.reward_timeout_s) and self.reward_timeout_s > 0,
+            "reward.reward_timeout_s",
+            f"must be > 0 seconds, got {self.reward_timeout_s}",
+        )
         _require(
             0.0 <= self.max_infra_error_fraction <= 1.0,
             "reward.max_infra_error_fraction",

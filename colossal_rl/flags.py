@@ -154,6 +154,7 @@ FLAGS: tuple[Flag, ...] = (
         "an empty response before Ray starts).",
     ),
     Flag(("-cv", "--code-verifier-url"), "reward.code_verifier_url"),
+    Flag(("--reward-timeout",), "reward.reward_timeout_s"),
     Flag(("--max-infra-error-fraction",), "reward.max_infra_error_fraction"),
     # environments (multi-turn rollouts)
     Flag(("--env",), "environment.name"),

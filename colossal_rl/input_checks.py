@@ -35,7 +35,9 @@ def check_inputs(config: RLConfig) -> CheckedInputs:
     check_model(config.model.path)
     check_images(config, sources, model_is_vision_language(config.model.path))
     if config.reward.reward_fn is not None:
-        check_reward_plugin(config.reward.reward_fn, train_rows[0], config.data.train_path)
+        check_reward_plugin(
+            config.reward.reward_fn, train_rows[0], config.data.train_path, config.reward.reward_timeout_s
+        )
     if config.environment.name is not None:
         check_environment_spec(config, train_rows[0])
         check_episode_fits_vllm(config)
@@ -133,23 +135,26 @@ def _resolve(path: str, base: Path) -> Path:
     return candidate if candidate.is_absolute() else base / candidate
 
 
-def check_reward_plugin(spec: str, row: dict, source: str) -> None:
+def check_reward_plugin(spec: str, row: dict, source: str, timeout_s: float) -> None:
     """The plug-in loads, has the right signature, and scores one training row (an empty response) without
-    raising: the user's own code, checked here so a mistake costs seconds instead of a run of infra errors."""
-    from colossal_rl.reward.records import record_from_plugin_value
-    from colossal_rl.reward.user_functions import RewardConfigError, load_reward_fn
+    raising, within ``timeout_s`` (in a worker process, as in the run): the user's own code, checked here so a
+    mistake costs seconds instead of a run of infra errors."""
+    from colossal_rl.reward.user_functions import PluginScorer, RewardConfigError, load_reward_fn
 
     try:
         function = load_reward_fn(spec)
     except RewardConfigError as error:
         raise InputError(f"--reward-fn: {error}") from None
+    scorer = PluginScorer(function, spec, timeout_s=timeout_s, num_workers=1)
     try:
-        record_from_plugin_value(function("", row))
-    except Exception as error:  # whatever the user's code raises, named in one line
+        record = scorer.score_batch([""], [row])[0]
+    finally:
+        scorer.close()
+    if record.status == "infra_error":
         raise InputError(
-            f"--reward-fn {spec!r}: scoring an empty response to the first row of {source} raised "
-            f"{type(error).__name__}: {error}"
-        ) from None
+            f"--reward-fn {spec!r}: scoring an empty response to the first row of {source} failed: "
+            f"{record.details.get('error')}"
+        )
 
 
 def check_environment_spec(config: RLConfig, row: dict) -> None:

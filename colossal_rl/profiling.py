@@ -7,6 +7,10 @@ end) are drained by the driver after every round and appended to ``<run_dir>/pro
 weights), ``eval``; trainers ``wait`` (for the round's rollouts), ``fetch``, ``forward_backward``,
 ``optimizer_step``, ``sync`` (gather + broadcast), ``checkpoint``. Time in no phase is idle.
 
+A recorder can also say, as each phase starts and ends, what its actor is doing now (:class:`ActivityBoard`,
+whatever the profiling setting): the driver reads it when an actor does not answer in time, since a busy actor
+cannot answer a call asking. The board is given its store (Ray's key-value store in the driver's actors).
+
     python -m colossal_rl.profiling RUN_DIR     # table of busy fractions + RUN_DIR/plots/profile_timeline.png
 """
 
@@ -22,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -35,21 +40,92 @@ class Span:
     end: float
 
 
+@dataclass(frozen=True)
+class Activity:
+    """What an actor is doing: its phase (``idle`` between phases), a detail (the reward plug-in it is
+    scoring with, the phase it last finished), since when (wall clock)."""
+
+    phase: str
+    detail: str
+    since: float
+
+    def describe(self, now: float) -> str:
+        detail = f", {self.detail}" if self.detail else ""
+        return f"{self.phase}{detail}, for {max(0.0, now - self.since):.0f}s"
+
+
+class ActivityStore(Protocol):
+    """Where activities are kept: a key-value store the actors write and the driver reads."""
+
+    def put(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes | None: ...
+
+
+class ActivityBoard:
+    """Each actor's latest :class:`Activity`, under ``run``'s keys in ``store``. Publishing never raises (a store
+    that fails costs the diagnosis, never the run)."""
+
+    def __init__(self, store: ActivityStore, run: str):
+        self.store = store
+        self.run = run
+
+    def _key(self, actor: str) -> str:
+        return f"colossal_rl/activity/{self.run}/{actor}"
+
+    def publish(self, actor: str, activity: Activity) -> None:
+        value = json.dumps({"phase": activity.phase, "detail": activity.detail, "since": activity.since})
+        try:
+            self.store.put(self._key(actor), value.encode())
+        except Exception as error:
+            logger.debug("cannot publish %s's activity: %s", actor, error)
+
+    def read(self, actor: str) -> Activity | None:
+        try:
+            value = self.store.get(self._key(actor))
+            return None if value is None else Activity(**json.loads(value))
+        except Exception as error:
+            logger.debug("cannot read %s's activity: %s", actor, error)
+            return None
+
+
 class PhaseRecorder:
-    """Collects spans; cheap enough to stay on when profiling is off (spans are then never drained)."""
+    """Collects spans; cheap enough to stay on when profiling is off (spans are then never drained). With a board
+    (:meth:`publish_to`), says on it when each phase starts and ends."""
 
     def __init__(self, enabled: bool = True, max_spans: int = 100_000):
         self.enabled = enabled
         self.max_spans = max_spans
         self._spans: list[Span] = []
+        self._board: tuple[ActivityBoard, str] | None = None
+        self._open: list[Activity] = []
+
+    def publish_to(self, board: ActivityBoard, actor: str) -> None:
+        self._board = (board, actor)
 
     @contextmanager
-    def record(self, phase: str) -> Iterator[None]:
+    def record(self, phase: str, detail: str = "") -> Iterator[None]:
+        """Time ``phase``; ``detail`` (e.g. which reward plug-in) goes on the board with it."""
         start = time.time()
+        self._enter(Activity(phase, detail, start))
         try:
             yield
         finally:
-            self.add(phase, start, time.time())
+            end = time.time()
+            self._leave(phase, end)
+            self.add(phase, start, end)
+
+    def _enter(self, activity: Activity) -> None:
+        if self._board is not None:
+            self._open.append(activity)
+            self._board[0].publish(self._board[1], activity)
+
+    def _leave(self, phase: str, end: float) -> None:
+        if self._board is not None:
+            if self._open:
+                self._open.pop()
+            outer = self._open[-1] if self._open else Activity("idle", f"after {phase}", end)
+            self._board[0].publish(self._board[1], outer)
 
     def add(self, phase: str, start: float, end: float) -> None:
         """A phase timed elsewhere (wall-clock ``start`` and ``end``)."""

@@ -71,9 +71,11 @@ def build_reward_scorer(
     reward_type: str = "boxed",
     code_verifier_url: str | None = None,
     reward_fn: str | None = None,
+    reward_timeout_s: float = 10.0,
     **options: Any,
 ) -> RewardScorer:
-    """A scorer for ``reward_type``; ``reward_fn`` (a user plug-in) replaces the built-in scorer.
+    """A scorer for ``reward_type``; ``reward_fn`` (a user plug-in) replaces the built-in scorer, each call run in a
+    worker process and bounded by ``reward_timeout_s`` (a run passes ``--reward-timeout``; this default is its).
 
     Options: math types take :class:`MathRewardConfig` fields (``timeout_s``, ``num_workers``, ...);
     ``code`` takes :class:`SandboxConfig` fields, or with ``code_verifier_url`` the client options
@@ -83,7 +85,7 @@ def build_reward_scorer(
     if reward_fn is not None:
         if options:
             raise RewardConfigError(f"options {sorted(options)} do not apply to a reward_fn plug-in")
-        return PluginScorer(load_reward_fn(reward_fn), reward_fn)
+        return PluginScorer(load_reward_fn(reward_fn), reward_fn, timeout_s=reward_timeout_s)
     if reward_type not in REWARD_TYPES:
         raise RewardConfigError(f"unknown reward_type {reward_type!r}; expected one of {list(REWARD_TYPES)}")
     if reward_type == "code":

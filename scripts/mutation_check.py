@@ -879,6 +879,30 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_stream_loop_decisions.py::test_a_producer_death_while_a_broken_sync_forms_again_is_recovered_then_the_sync_made_again",
         ),
     ),
+    Mutation(
+        name="reward_worker_outlives_its_parent",
+        why="a reward plug-in worker stuck in a call survives its SIGKILLed producer: orphans pile up on the node",
+        path="reward/bounded_worker.py",
+        old="    die_with_parent(parent_pid)\n",
+        new="",
+        tests=("tests/unit/test_reward_bounded_calls.py::test_workers_die_with_their_parent",),
+    ),
+    Mutation(
+        name="timeout_message_without_activity",
+        why="a late actor is named without what it was doing: a hanging reward looks like a deadlock again",
+        path="colossal_rl/driver/calls.py",
+        old='names.append(call.name if activity is None else f"{call.actor} ({call.method}; now {activity.describe(now)})")',
+        new="names.append(call.name)",
+        tests=("tests/unit/test_actor_activity.py::test_the_timeout_message_says_what_each_late_actor_is_doing",),
+    ),
+    Mutation(
+        name="env_errors_not_counted",
+        why="episodes whose environment raised are not counted in rollout/env_errors: failures vanish from metrics",
+        path="colossal_rl/rollout/multi_turn.py",
+        old='"rollout/env_errors": float(sum(bool(e.environment_error) for e in episodes)),',
+        new='"rollout/env_errors": 0.0,',
+        tests=("tests/unit/test_multi_turn.py::test_environment_errors_are_counted_and_logged_once_per_rollout_batch",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -19,7 +19,7 @@ import ray
 from colossal_rl.comm.buffer import Assignment, BufferSnapshot, GroupRef, RoundBuffer
 from colossal_rl.config import RLConfig
 from colossal_rl.driver.actor_messages import ChunkResult, ProducerReady, RoundResult, StepResult, TrainerReady
-from colossal_rl.driver.calls import ProducerRestarted
+from colossal_rl.driver.calls import ProducerRestarted, activity_board
 from colossal_rl.profiling import PhaseRecorder
 
 if TYPE_CHECKING:  # torch is imported by the producer and trainer actors only: the driver and buffer never need it
@@ -185,11 +185,15 @@ class ProducerActor:
         reward = config.reward
         with self.startup.record("reward"):
             scorer = build_reward_scorer(
-                reward_type=reward.reward_type, code_verifier_url=reward.code_verifier_url, reward_fn=reward.reward_fn
+                reward_type=reward.reward_type,
+                code_verifier_url=reward.code_verifier_url,
+                reward_fn=reward.reward_fn,
+                reward_timeout_s=reward.reward_timeout_s,
             )
         self.rank = rank
         self.config = config
         self.producer = Producer(rank, config, scorer)
+        self.producer.phases.publish_to(activity_board(), f"producer {rank}")  # read by the driver when we hang
         self.receivers = []
         with warnings.catch_warnings():  # Ray 2.40 reads its own deprecated actor_id inside this property
             warnings.simplefilter("ignore")
@@ -300,7 +304,7 @@ class ProducerActor:
 
     def evaluate(self, min_version: int = 0):
         self._check_weights()
-        with self.producer.phases.record("eval"):
+        with self.producer.phases.record("eval", f"scored by {self.config.reward.label}"):
             return self.producer.evaluate(self.config.schedule.num_producers, min_version)
 
     def drain_phases(self) -> list:
@@ -330,6 +334,7 @@ class TrainerActor:
 
         self.config = config
         self.trainer = Trainer(rank, world_size, config, master_addr, master_port)
+        self.trainer.phases.publish_to(activity_board(), f"trainer {rank}")
         self.sender = None
 
     def host_rendezvous(self) -> int:

@@ -1,7 +1,8 @@
 """Remote calls in flight and waiting on them: which actor each call went to, and how it ended.
 
 Every wait has a timeout and fails fast with a message that names the actors that failed or hung
-(:class:`RunFailed`). The bottom of ``driver/``: the actors (``ProducerRestarted``) and every other driver file
+(:class:`RunFailed`), and what a hung one was doing (its phase and detail, from the actors' activity board in
+Ray's key-value store). The bottom of ``driver/``: the actors (``ProducerRestarted``) and every other driver file
 use it. Torch-free.
 """
 
@@ -12,6 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import ray
+
+from colossal_rl.profiling import ActivityBoard
 
 
 class ActorId(NamedTuple):
@@ -85,6 +88,37 @@ def call_outcome(ref: ray.ObjectRef) -> tuple[str, str | None]:
     return "ok", None
 
 
+class RayKeyValueStore:
+    """Ray's internal key-value store (in the cluster's GCS): where actors publish what they are doing."""
+
+    namespace = "colossal_rl"
+
+    def put(self, key: str, value: bytes) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(key, value, overwrite=True, namespace=self.namespace)
+
+    def get(self, key: str) -> bytes | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        return _internal_kv_get(key, namespace=self.namespace)
+
+
+def activity_board() -> ActivityBoard:
+    """The activity board of this Ray job: the driver's, shared by the actors it created."""
+    return ActivityBoard(RayKeyValueStore(), ray.get_runtime_context().get_job_id())
+
+
+def late_message(late: Calls, timeout_s: float, board: ActivityBoard, now: float | None = None) -> str:
+    """``no answer within 60s from: producer 0 (produce; now reward, --reward-fn f.py:score, for 58s), ...``."""
+    now = time.time() if now is None else now
+    names = []
+    for call in late:
+        activity = board.read(str(call.actor))
+        names.append(call.name if activity is None else f"{call.actor} ({call.method}; now {activity.describe(now)})")
+    return f"no answer within {timeout_s:.0f}s from: {', '.join(names)}"
+
+
 def _message(name: str, outcome: str, detail: str | None) -> str:
     return f"{name} {'died' if outcome == 'died' else 'failed'}: {detail}"
 
@@ -102,8 +136,7 @@ def gather(calls: Calls, timeout_s: float, settle_s: float = 3.0) -> list:
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            late = [by_ref[ref].name for ref in pending]
-            raise RunFailed(f"no answer within {timeout_s:.0f}s from: {', '.join(late)}")
+            raise RunFailed(late_message([by_ref[ref] for ref in pending], timeout_s, activity_board()))
         first = call_outcome(ready[0])
         if first[0] != "ok":
             more, _ = ray.wait(pending, num_returns=len(pending), timeout=settle_s) if pending else ([], [])

@@ -34,7 +34,7 @@ from colossal_rl.comm.buffer import GroupRef
 from colossal_rl.comm.token_balance import step_shares
 from colossal_rl.driver.actor_groups import chunks_in_flight
 from colossal_rl.driver.actor_messages import ChunkResult, StepResult
-from colossal_rl.driver.calls import Calls, RunFailed, call_outcome, gather
+from colossal_rl.driver.calls import Calls, RunFailed, activity_board, call_outcome, gather, late_message
 from colossal_rl.driver.producer_restarts import redo_lost
 from colossal_rl.driver.save_and_resume import save_run
 from colossal_rl.metrics import merge_rank_step_metrics
@@ -219,8 +219,8 @@ class StreamLoop:
                 raise RunFailed(f"stream schedule stalled: nothing in flight, {self.scheduler.metrics()}")
             ready, _ = ray.wait(refs, num_returns=1, timeout=self.driver.timeout)
             if not ready:
-                late = [call.name for item in self.waiting for call in item.calls if call.ref in self._unanswered]
-                raise RunFailed(f"stream schedule: no answer within {self.driver.timeout:.0f}s from: {', '.join(late)}")
+                late = [call for item in self.waiting for call in item.calls if call.ref in self._unanswered]
+                raise RunFailed(f"stream schedule: {late_message(late, self.driver.timeout, activity_board())}")
             self._unanswered.discard(ready[0])
             item = next(item for item in self.waiting if any(call.ref == ready[0] for call in item.calls))
             if call_outcome(ready[0])[0] != "ok":

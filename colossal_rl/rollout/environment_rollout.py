@@ -18,7 +18,14 @@ from colossal_rl.environments import EnvironmentContext, environment_factory
 from colossal_rl.prompts import system_prompt_for
 from colossal_rl.rollout.backend import InferenceBackend, SamplingSettings
 from colossal_rl.rollout.chat_turns import ChatTurns
-from colossal_rl.rollout.multi_turn import Episode, MultiTurnLimits, MultiTurnOutput, collate, run_episodes
+from colossal_rl.rollout.multi_turn import (
+    Episode,
+    MultiTurnLimits,
+    MultiTurnOutput,
+    collate,
+    log_environment_errors,
+    run_episodes,
+)
 
 
 class EnvironmentRollouts:
@@ -38,12 +45,13 @@ class EnvironmentRollouts:
     def run(
         self, backend: InferenceBackend, rows: list[dict[str, Any]], num_samples: int, sampling: SamplingSettings
     ) -> MultiTurnOutput:
-        """``num_samples`` episodes of every row, group-major."""
+        """``num_samples`` episodes of every row, group-major; the environments' errors logged in one line."""
         episodes: list[Episode] = []
         for start in range(0, len(rows), self.rows_per_call):
             part = [row for row in rows[start : start + self.rows_per_call] for _ in range(num_samples)]
             environments = [self.factory(self.context) for _ in part]
             episodes += run_episodes(backend, self.chat, environments, part, sampling, self.limits)
+        log_environment_errors(episodes)
         return collate(episodes, self.pad_token_id)
 
 

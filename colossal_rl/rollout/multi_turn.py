@@ -7,8 +7,10 @@ the observation's ids (``chat_turns.py``: chat-template formatted, tokenised onc
 environment says done, after ``max_turns`` policy turns, or when its response (policy and environment tokens)
 reaches ``max_total_tokens``: a turn is cut to the room left, and an observation that leaves no room for another
 turn ends the episode instead. ``policy_mask`` is 1 on sampled tokens, 0 on the environment's; the environment's
-tokens stay in the response as context (``RolloutBatch.policy_mask``). A plug-in environment that raises ends
-its episode with status ``infra_error`` (masked out of the loss), never the rollout.
+tokens stay in the response as context (``RolloutBatch.policy_mask``). A plug-in environment that raises in
+``step`` ends its episode with status ``infra_error`` (masked out of the loss), never the rollout; its errors
+(``step``'s and ``close``'s) are kept on the episodes, counted (``rollout/env_errors``) and logged once per
+rollout batch (:func:`log_environment_errors`), not once each.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class Episode:
     turns: tuple[TurnLog, ...]
     turn_texts: tuple[str, ...]
     """Each policy turn's decoded text, as the environment saw it."""
+    environment_error: str = ""
+    """What the environment raised (``step`` or ``close``), ``"Type: message"``; empty when it raised nothing."""
 
 
 @dataclass
@@ -95,6 +99,7 @@ class _Running:
     reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     end: str | None = None
+    error: str = ""
 
     def room(self, limits: MultiTurnLimits) -> int:
         return limits.max_total_tokens - len(self.response_ids)
@@ -113,7 +118,8 @@ def run_episodes(
     sampling: SamplingSettings,
     limits: MultiTurnLimits,
 ) -> list[Episode]:
-    """Run one episode per environment (``environments[i]`` on ``rows[i]``) to its end; closes every environment."""
+    """Run one episode per environment (``environments[i]`` on ``rows[i]``) to its end; closes every environment.
+    What an environment raised is on its episode (``Episode.environment_error``), not logged here."""
     if len(environments) != len(rows):
         raise ValueError(f"{len(environments)} environments for {len(rows)} rows")
     try:
@@ -123,10 +129,25 @@ def run_episodes(
             if not active:
                 break
             _play_turn(backend, chat, active, sampling, limits, last_turn=turn == limits.max_turns - 1)
-        return [_finish(episode) for episode in running]
-    finally:
+    except BaseException:
         for environment in environments:
-            _close(environment)
+            _close(environment)  # its errors are secondary to the one on its way up
+        raise
+    for episode in running:
+        episode.error = episode.error or _close(episode.environment)
+    return [_finish(episode) for episode in running]
+
+
+def log_environment_errors(episodes: list[Episode]) -> None:
+    """One warning for every episode of a rollout batch whose environment raised: their count, the first error."""
+    failed = [episode for episode in episodes if episode.environment_error]
+    if failed:
+        logger.warning(
+            "environment raised in %d of %d episodes (counted in rollout/env_errors); first: %s",
+            len(failed),
+            len(episodes),
+            failed[0].environment_error,
+        )
 
 
 def _start(chat: ChatTurns, environment: Environment, row: dict[str, Any]) -> _Running:
@@ -173,10 +194,11 @@ def _answer_turn(
     text = chat.tokenizer.decode(ids, skip_special_tokens=True)
     episode.texts.append(text)
     started = time.perf_counter()
-    result = _step(episode.environment, text)
+    result, error = _step(episode.environment, text)
     environment_s = time.perf_counter() - started
     if result is None:
         episode.end, episode.reward, episode.info = "environment_error", 0.0, {"status": "infra_error"}
+        episode.error = error
     else:
         episode.reward = result.reward if result.reward is not None else episode.reward
         episode.info = result.info or episode.info
@@ -206,22 +228,27 @@ def _answer_turn(
     )
 
 
-def _step(environment: Environment, text: str) -> StepResult | None:
-    """The environment's answer, or None if it raised (a plug-in's bug must not end the rollout)."""
+def _step(environment: Environment, text: str) -> tuple[StepResult | None, str]:
+    """The environment's answer, or None and what it raised (a plug-in's bug must not end the rollout)."""
     try:
-        return environment.step(text)
+        return environment.step(text), ""
     except Exception as error:
-        logger.warning("environment %s raised in step: %s: %s", type(environment).__name__, type(error).__name__, error)
-        return None
+        return None, _describe(environment, "step", error)
 
 
-def _close(environment: Environment) -> None:
+def _close(environment: Environment) -> str:
+    """Close the environment; what it raised, or ``""``."""
     close = getattr(environment, "close", None)
     if callable(close):
         try:
             close()
         except Exception as error:
-            logger.warning("environment %s raised in close: %s", type(environment).__name__, error)
+            return _describe(environment, "close", error)
+    return ""
+
+
+def _describe(environment: Environment, method: str, error: Exception) -> str:
+    return f"{type(environment).__name__}.{method} raised {type(error).__name__}: {error}"[:500]
 
 
 def _finish(episode: _Running) -> Episode:
@@ -239,6 +266,7 @@ def _finish(episode: _Running) -> Episode:
         truncated=episode.end != "done" or bool(episode.turns and episode.turns[-1].truncated),
         turns=tuple(episode.turns),
         turn_texts=tuple(episode.texts),
+        environment_error=episode.error,
     )
 
 
@@ -293,7 +321,7 @@ def collate(episodes: list[Episode], pad_token_id: int) -> MultiTurnOutput:
 def turn_metrics(episodes: list[Episode]) -> dict[str, float]:
     """Means over episodes of what their turns did: ``rollout/turns``, ``rollout/tool_calls``, ...; the fraction
     of episodes that called a tool at least once (``rollout/tool_call_rate``) and by how they ended
-    (``rollout/end_<reason>``)."""
+    (``rollout/end_<reason>``); the count of episodes whose environment raised (``rollout/env_errors``)."""
     n = max(len(episodes), 1)
     metrics = {
         "rollout/turns": sum(len(e.turns) for e in episodes) / n,
@@ -302,6 +330,7 @@ def turn_metrics(episodes: list[Episode]) -> dict[str, float]:
         "rollout/tool_errors": sum(t.tool_errors for e in episodes for t in e.turns) / n,
         "rollout/policy_tokens": sum(sum(e.policy_mask) for e in episodes) / n,
         "rollout/environment_tokens": sum(len(e.policy_mask) - sum(e.policy_mask) for e in episodes) / n,
+        "rollout/env_errors": float(sum(bool(e.environment_error) for e in episodes)),
         "time/environment_s": sum(t.environment_s for e in episodes for t in e.turns),
     }
     for reason in ("done", "max_turns", "max_tokens", "environment_error"):

@@ -258,7 +258,7 @@ class Producer:
             output, vision, versions = self._generate_groups(row_indices, min_version)
         metrics = {"time/generate_s": time.perf_counter() - started}
         rows = [self.train_data.rows[i] for i in row_indices for _ in range(group_size)]
-        with self.phases.record("reward"):
+        with self.phases.record("reward", self.config.reward.label):
             records = self._score(output.responses, rows)
         if output.token_versions is not None:  # partial rollouts: responses that span a weight sync
             responses, tokens = multi_version_fractions(output.token_versions, output.response_mask)
@@ -303,7 +303,7 @@ class Producer:
         from colossal_rl.rollout.multi_turn import turn_metrics
 
         group_size = self.config.generation.num_generations
-        with self.phases.record("generate"):
+        with self.phases.record("generate", f"--env {self.config.environment.name}, {self.config.reward.label}"):
             rows = [self.train_data.rows[i] for i in row_indices]
             output = self.environments.run(self.backend, rows, group_size, self._train_sampling())
         metrics = {"time/generate_s": time.perf_counter() - started, **turn_metrics(output.episodes)}

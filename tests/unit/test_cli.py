@@ -282,6 +282,7 @@ def test_main_malformed_eval_dataset(tmp_path, caplog, capsys):
         (["--warmup-steps", "-5"], "--warmup-steps: must be >= 0, got -5"),
         (["-mpt", "-5"], "-mpt/--max-prompt-tokens: must be >= 1, got -5"),
         (["--max-infra-error-fraction", "1.5"], "--max-infra-error-fraction: must be in [0, 1], got 1.5"),
+        (["--reward-timeout", "0"], "--reward-timeout: must be > 0 seconds, got 0.0"),
         (["--min-lr-ratio", "2"], "--min-lr-ratio: must be in [0, 1], got 2.0"),
         (["--eval-samples", "0"], "--eval-samples: must be >= 1, got 0"),
         (["--eval-samples", "4"], "--eval-samples: 4 samples per eval prompt need --eval-temperature > 0"),

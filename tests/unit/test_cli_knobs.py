@@ -97,6 +97,7 @@ FLAG_PROBES = {
     "warmup_steps": (["--warmup-steps", "3"], "train.warmup_steps"),
     "lr_schedule": (["--lr-schedule", "cosine"], "train.lr_schedule"),
     "max_infra_error_fraction": (["--max-infra-error-fraction", "0.2"], "reward.max_infra_error_fraction"),
+    "reward_timeout": (["--reward-timeout", "2.5"], "reward.reward_timeout_s"),
     "min_lr_ratio": (["--min-lr-ratio", "0.1"], "train.min_lr_ratio"),
     "eval_temperature": (["--eval-temperature", "0.7"], "generation.eval_temperature"),
     "eval_samples": (["--eval-temperature", "0.7", "--eval-samples", "4"], "generation.eval_samples"),

@@ -188,6 +188,7 @@ def test_an_environment_that_raises_ends_only_its_episode(tokenizer, chat):
     backend = ScriptedBackend(tokenizer, [["x", CALL], ["42"]])
     broken, fine = run_episodes(backend, chat, environments, [ROW, ROW], SAMPLING, MultiTurnLimits())
     assert (broken.end, broken.status, broken.reward) == ("environment_error", "infra_error", 0.0)
+    assert broken.environment_error == "Raising.step raised RuntimeError: plug-in bug" and fine.environment_error == ""
     assert (fine.end, fine.reward) == ("done", 1.0) and len(backend.histories[1]) == 1
 
 
@@ -215,3 +216,66 @@ def test_a_template_with_a_tool_role_renders_the_observation_itself(tokenizer):
     prompt = qwen.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
     assert prompt + CALL + text == qwen.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert json.loads(CALL[len("<tool_call>") : -len("</tool_call>")])["name"] == "calculator"
+
+
+FLAKY = """
+from colossal_rl.environments import StepResult
+
+
+class Flaky:
+    steps = 0
+    closes = 0
+
+    def __init__(self, context):
+        pass
+
+    def reset(self, row):
+        return [row["messages"]]
+
+    def step(self, text):
+        Flaky.steps += 1
+        if Flaky.steps % 3 == 0:
+            raise RuntimeError(f"flaky step {Flaky.steps}")
+        return StepResult(reward=1.0, done=True)
+
+    def close(self):
+        Flaky.closes += 1
+        if Flaky.closes == 2:
+            raise ValueError("flaky close")
+"""
+
+
+def test_environment_errors_are_counted_and_logged_once_per_rollout_batch(tokenizer, tmp_path, caplog):
+    from colossal_rl.config import EnvironmentConfig, GenerationConfig, RLConfig
+    from colossal_rl.config_resolve import resolve
+    from colossal_rl.rollout.environment_rollout import EnvironmentRollouts
+
+    (tmp_path / "flaky_env.py").write_text(FLAKY)
+    config = resolve(
+        RLConfig(
+            generation=GenerationConfig(num_generations=2, microbatch_size=2, max_new_tokens=8),
+            environment=EnvironmentConfig(name=f"{tmp_path / 'flaky_env.py'}:Flaky", max_turns=2),
+        )
+    )
+    rollouts = EnvironmentRollouts(config, tokenizer, reward_scorer=None, pad_token_id=tokenizer.pad_token_id)
+    backend = ScriptedBackend(tokenizer, [["a"] * 4, ["a"] * 4])  # 4 rows x 2 samples, 2 rows per call
+    with caplog.at_level("WARNING", logger="colossal_rl.rollout.multi_turn"):
+        episodes = rollouts.run(backend, [ROW] * 4, 2, SAMPLING).episodes
+    errors = [episode.environment_error for episode in episodes]
+    assert errors == [
+        "",
+        "Flaky.close raised ValueError: flaky close",
+        "Flaky.step raised RuntimeError: flaky step 3",
+        "",
+        "",
+        "Flaky.step raised RuntimeError: flaky step 6",
+        "",
+        "",
+    ]
+    assert [e.status for e in episodes].count("infra_error") == 2  # a close error leaves the reward standing
+    assert turn_metrics(episodes)["rollout/env_errors"] == 3.0
+    lines = [r.getMessage() for r in caplog.records if r.name == "colossal_rl.rollout.multi_turn"]
+    assert lines == [
+        "environment raised in 3 of 8 episodes (counted in rollout/env_errors); "
+        "first: Flaky.close raised ValueError: flaky close"
+    ]

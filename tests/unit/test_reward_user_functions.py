@@ -78,3 +78,12 @@ def test_factory_rejects_bad_settings():
         build_reward_scorer("code", code_verifier_url="http://127.0.0.1:1")
     with pytest.raises(RewardConfigError, match="do not apply with code_verifier_url"):
         build_reward_scorer("code", code_verifier_url="http://127.0.0.1:1", verifier_token="t", memory_mb=1)
+
+
+def test_the_factory_default_time_limit_is_the_runs():
+    import inspect
+
+    from colossal_rl.config import RewardConfig
+
+    default = inspect.signature(build_reward_scorer).parameters["reward_timeout_s"].default
+    assert default == RewardConfig().reward_timeout_s
