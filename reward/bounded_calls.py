@@ -180,24 +180,28 @@ class BoundedCallPool:
         with self._lock:
             self._live.discard(worker)
 
-    def call(self, *arguments: Any) -> CallOutcome:
-        """One call on the next free worker (blocks until one is free)."""
+    def call(self, *arguments: Any, deadline: float | None = None) -> CallOutcome:
+        """One call on the next free worker (blocks until one is free). ``deadline`` (``time.monotonic()``): the
+        call gets at most what is left of it, and is not made at all (a ``timeout``) once it has passed."""
         slot = self._idle.get()
         try:
             if self._closed:
                 raise RuntimeError("BoundedCallPool is closed")
+            limit_s = self.timeout_s if deadline is None else min(self.timeout_s, deadline - time.monotonic())
+            if limit_s <= 0:
+                return CallOutcome("timeout", message="its batch's time budget was spent before it was called")
             if slot[0] is None:
                 slot[0] = self._start()
             if slot[0] is None:
                 return CallOutcome("failed", message="its worker process could not be started")
-            return self._ask(slot, arguments)
+            return self._ask(slot, arguments, limit_s)
         finally:
             self._idle.put(slot)
 
-    def _ask(self, slot: list[_Worker | None], arguments: tuple) -> CallOutcome:
+    def _ask(self, slot: list[_Worker | None], arguments: tuple, limit_s: float) -> CallOutcome:
         worker = slot[0]
         problem = worker.wait_ready(time.monotonic() + self.startup_timeout_s)
-        reply = None if problem else worker.call(arguments, self.timeout_s)
+        reply = None if problem else worker.call(arguments, limit_s)
         if problem is None and reply is not None and reply[0] in ("ok", "raised"):
             return CallOutcome("ok", reply[1]) if reply[0] == "ok" else CallOutcome("raised", message=reply[1])
         self._discard(worker)
@@ -205,12 +209,15 @@ class BoundedCallPool:
         if problem is not None:
             return CallOutcome("failed", message=problem)
         if reply is None:
-            return CallOutcome("timeout", message=f"no answer within {self.timeout_s:g}s")
+            cut = " (what was left of its batch's time budget)" if limit_s < self.timeout_s else ""
+            return CallOutcome("timeout", message=f"no answer within {limit_s:g}s{cut}")
         return CallOutcome("failed", message=str(reply[1]))
 
-    def call_many(self, argument_lists: list[tuple]) -> list[CallOutcome]:
-        """Every call, in parallel on all workers; outcomes in input order."""
-        return list(self._executor.map(lambda arguments: self.call(*arguments), argument_lists))
+    def call_many(self, argument_lists: list[tuple], budget_s: float | None = None) -> list[CallOutcome]:
+        """Every call, in parallel on all workers; outcomes in input order. ``budget_s``: the whole batch ends within
+        about that long (plus a worker's reply), however many calls hang: calls not made by then are ``timeout``."""
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        return list(self._executor.map(lambda arguments: self.call(*arguments, deadline=deadline), argument_lists))
 
     def worker_pids(self) -> list[int]:
         with self._lock:

@@ -72,10 +72,12 @@ def build_reward_scorer(
     code_verifier_url: str | None = None,
     reward_fn: str | None = None,
     reward_timeout_s: float = 10.0,
+    reward_batch_budget_s: float | None = None,
     **options: Any,
 ) -> RewardScorer:
     """A scorer for ``reward_type``; ``reward_fn`` (a user plug-in) replaces the built-in scorer, each call run in a
-    worker process and bounded by ``reward_timeout_s`` (a run passes ``--reward-timeout``; this default is its).
+    worker process and bounded by ``reward_timeout_s`` (a run passes ``--reward-timeout``; this default is its), a
+    whole batch by ``reward_batch_budget_s`` (a run passes half its ``--timeout``).
 
     Options: math types take :class:`MathRewardConfig` fields (``timeout_s``, ``num_workers``, ...);
     ``code`` takes :class:`SandboxConfig` fields, or with ``code_verifier_url`` the client options
@@ -85,7 +87,9 @@ def build_reward_scorer(
     if reward_fn is not None:
         if options:
             raise RewardConfigError(f"options {sorted(options)} do not apply to a reward_fn plug-in")
-        return PluginScorer(load_reward_fn(reward_fn), reward_fn, timeout_s=reward_timeout_s)
+        return PluginScorer(
+            load_reward_fn(reward_fn), reward_fn, timeout_s=reward_timeout_s, batch_budget_s=reward_batch_budget_s
+        )
     if reward_type not in REWARD_TYPES:
         raise RewardConfigError(f"unknown reward_type {reward_type!r}; expected one of {list(REWARD_TYPES)}")
     if reward_type == "code":

@@ -59,10 +59,20 @@ class PluginScorer:
     given in-process, ``function``). A call that raises or passes the limit is an ``infra_error`` for that sample
     only; failures are logged once per batch, the first one's text in the line."""
 
-    def __init__(self, function: RewardFunction, spec: str, timeout_s: float | None = None, num_workers: int = 2):
+    def __init__(
+        self,
+        function: RewardFunction,
+        spec: str,
+        timeout_s: float | None = None,
+        num_workers: int = 2,
+        batch_budget_s: float | None = None,
+    ):
+        """``batch_budget_s``: a batch's calls all end within about that long, however many hang (samples not
+        scored by then are ``infra_error``): a producer answers its driver before ``--timeout`` ends the run."""
         self.function = function
         self.spec = spec
         self.timeout_s = timeout_s
+        self.batch_budget_s = batch_budget_s
         self._pool = None
         if timeout_s is not None:
             from .bounded_calls import BoundedCallPool
@@ -75,7 +85,7 @@ class PluginScorer:
         if self._pool is None:
             records = [self._score_here(response, row) for response, row in zip(responses, rows, strict=True)]
         else:
-            outcomes = self._pool.call_many(list(zip(responses, rows, strict=True)))
+            outcomes = self._pool.call_many(list(zip(responses, rows, strict=True)), budget_s=self.batch_budget_s)
             records = [self._record_of(outcome) for outcome in outcomes]
         _log_failures(self.spec, records)
         return records
@@ -92,6 +102,8 @@ class PluginScorer:
     def _record_of(self, outcome) -> RewardRecord:
         if outcome.status == "ok":
             return outcome.value
+        if outcome.status == "timeout" and "budget" in outcome.message:  # the batch's, half of --timeout
+            return infra_error(f"reward_fn {self.spec}: {outcome.message}", timed_out=True)
         if outcome.status == "timeout":
             return infra_error(
                 f"reward_fn {self.spec} gave no reward within --reward-timeout {self.timeout_s:g}s", timed_out=True

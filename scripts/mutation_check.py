@@ -888,6 +888,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/unit/test_reward_bounded_calls.py::test_workers_die_with_their_parent",),
     ),
     Mutation(
+        name="reward_batch_without_budget",
+        why="a batch of many hanging reward calls takes one limit per hang in turn: the producer outlasts --timeout",
+        path="reward/bounded_calls.py",
+        old="deadline = None if budget_s is None else time.monotonic() + budget_s",
+        new="deadline = None",
+        tests=("tests/unit/test_reward_bounded_calls.py::test_a_batch_of_many_hanging_samples_ends_within_its_budget",),
+    ),
+    Mutation(
         name="timeout_message_without_activity",
         why="a late actor is named without what it was doing: a hanging reward looks like a deadlock again",
         path="colossal_rl/driver/calls.py",

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # torch is imported by the producer and trainer actors only: 
     from colossal_rl.batch import RolloutBatch
 
 logger = logging.getLogger(__name__)
+REWARD_SHARE_OF_TIMEOUT = 0.5
+"""A producer's reward plug-in calls of one batch end within this share of ``--timeout`` however many hang (the
+rest of the samples are infra_error): the producer still answers its driver in time, naming what happened."""
 
 
 WARM_COMPILE_POOL_VARIABLE = "TORCH_WARM_POOL"
@@ -189,6 +192,7 @@ class ProducerActor:
                 code_verifier_url=reward.code_verifier_url,
                 reward_fn=reward.reward_fn,
                 reward_timeout_s=reward.reward_timeout_s,
+                reward_batch_budget_s=config.run.timeout_s * REWARD_SHARE_OF_TIMEOUT,
             )
         self.rank = rank
         self.config = config

@@ -153,3 +153,21 @@ def test_a_plugin_that_fails_to_load_in_the_worker_is_an_infra_error(tmp_path):
     finally:
         pool.close()
     assert outcome.status == "failed" and "loading" in outcome.message and "ImportError: x" in outcome.message
+
+
+def test_a_batch_of_many_hanging_samples_ends_within_its_budget(plugin_spec):
+    """Eight hanging samples on two workers would take four limits one after the other; the batch's budget (what a
+    producer gets of ``--timeout``) ends it after about one, the samples it could not reach infra_error too."""
+    scorer = build_reward_scorer(reward_fn=plugin_spec, reward_timeout_s=2.0, reward_batch_budget_s=2.5)
+    try:
+        scorer.score_batch(["warm"], [{}])
+        started = time.monotonic()
+        records = scorer.score_batch(["a", *[f"hang {n}" for n in range(8)], "bbb"], [{}] * 10)
+        elapsed = time.monotonic() - started
+        assert elapsed < 2.5 + 2.0, elapsed  # the budget, plus one replacement worker's start-up at most
+        assert all(record.status == "infra_error" for record in records[1:9])
+        assert all(record.details["timed_out"] for record in records[1:9])
+        assert any("budget was spent before it was called" in record.details["error"] for record in records[1:9])
+        assert scorer.score_batch(["cc"], [{}])[0].reward == 2.0  # the pool still works after the batch
+    finally:
+        scorer.close()
