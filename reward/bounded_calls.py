@@ -22,10 +22,12 @@ import sys
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+from .worker_lifetime import Spawner
 
 logger = logging.getLogger(__name__)
 
@@ -109,32 +111,6 @@ class _Worker:
         self.replies.close()
 
 
-class _Spawner:
-    """Starts every worker from one thread that lives as long as the pool: ``PR_SET_PDEATHSIG`` fires when the
-    thread that started a process ends, not only its process, so no short-lived caller thread may start one."""
-
-    def __init__(self) -> None:
-        self._requests: queue.Queue[tuple[Future, str, str] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, name="bounded-call-spawner", daemon=True)
-        self._thread.start()
-
-    def start(self, factory: str, spec: str) -> _Worker:
-        future: Future = Future()
-        self._requests.put((future, factory, spec))
-        return future.result()
-
-    def _serve(self) -> None:
-        while (request := self._requests.get()) is not None:
-            future, factory, spec = request
-            try:
-                future.set_result(_Worker(factory, spec))
-            except Exception as error:  # OSError from Popen: the caller reports it
-                future.set_exception(error)
-
-    def stop(self) -> None:
-        self._requests.put(None)
-
-
 class BoundedCallPool:
     """``num_workers`` worker processes each holding ``factory(spec)``; :meth:`call_many` runs calls on all of them,
     each bounded by ``timeout_s`` from when its worker gets it.
@@ -153,7 +129,7 @@ class BoundedCallPool:
         self.factory, self.spec = factory, spec
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
-        self._spawner = _Spawner()
+        self._spawner = Spawner("bounded-call-spawner")
         self._idle: queue.Queue[list[_Worker | None]] = queue.Queue()  # slots: a worker, or None to start one
         self._live: set[_Worker] = set()  # every started process, for shutdown
         self._lock = threading.Lock()
@@ -167,7 +143,7 @@ class BoundedCallPool:
         if self._closed:
             return None
         try:
-            worker = self._spawner.start(self.factory, self.spec)
+            worker = self._spawner.start(lambda: _Worker(self.factory, self.spec))
         except OSError as error:  # retried at the slot's next use
             logger.error("cannot start a worker for %s: %s", self.spec, error)
             return None
@@ -228,7 +204,7 @@ class BoundedCallPool:
         self._finalizer()
 
 
-def _shutdown(live: set[_Worker], executor: ThreadPoolExecutor, spawner: _Spawner) -> None:
+def _shutdown(live: set[_Worker], executor: ThreadPoolExecutor, spawner: Spawner) -> None:
     executor.shutdown(wait=False, cancel_futures=True)
     spawner.stop()
     for worker in list(live):

@@ -9,39 +9,17 @@ parent's pid) and exits when stdin closes. Anything the function prints goes to 
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import os
 import pickle
-import signal
 import sys
-import threading
-import time
 from multiprocessing.connection import Connection
 
-PR_SET_PDEATHSIG = 1
+from .worker_lifetime import die_with_parent
+
 SYS_PATH_VARIABLE = "COLOSSAL_RL_BOUNDED_WORKER_SYS_PATH"
 """Set by the parent (``bounded_calls.py``): its ``sys.path``, as JSON."""
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent ends (Linux), and exit when it notices the parent's pid is gone."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass  # the watch below still ends it
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _describe(error: BaseException) -> str:

@@ -22,6 +22,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .worker_lifetime import Spawner
+
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "colossal_rl.reward.math_worker"
@@ -43,7 +45,7 @@ class _Worker:
 
     def __init__(self, startup_timeout_s: float):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", WORKER_MODULE],
+            [sys.executable, "-m", WORKER_MODULE, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,  # its own process group, killed as a whole
@@ -121,12 +123,13 @@ class MathVerifierPool:
         self._workers: set[_Worker] = set()  # every live process, for shutdown
         self._lock = threading.Lock()
         self._closed = False
+        self._spawner = Spawner("math-verify-spawner")  # workers die with this process (worker_lifetime.py)
         for _ in range(num_workers):
             slot = _Slot()
             self._restart(slot)
             self._idle.put(slot)
         self._executor = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="math-verify")
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._executor)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._executor, self._spawner)
 
     def _restart(self, slot: _Slot) -> None:
         """Kill the slot's worker (if any) and start a fresh one now, so its imports overlap other work."""
@@ -138,7 +141,7 @@ class MathVerifierPool:
         if self._closed:
             return
         try:
-            worker = _Worker(self.startup_timeout_s)
+            worker = self._spawner.start(lambda: _Worker(self.startup_timeout_s))
         except OSError as error:  # retried at the slot's next use
             logger.error("cannot start a math worker: %s", error)
             return
@@ -185,8 +188,9 @@ class MathVerifierPool:
         self._finalizer()
 
 
-def _shutdown(workers: set[_Worker], executor: ThreadPoolExecutor) -> None:
+def _shutdown(workers: set[_Worker], executor: ThreadPoolExecutor, spawner: Spawner) -> None:
     executor.shutdown(wait=False, cancel_futures=True)
+    spawner.stop()
     for worker in list(workers):
         worker.kill()
     workers.clear()

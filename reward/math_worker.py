@@ -1,9 +1,10 @@
-"""Math-equivalence worker process: ``python -m colossal_rl.reward.math_worker``.
+"""Math-equivalence worker process: ``python -m colossal_rl.reward.math_worker PARENT_PID``.
 
 Reads one JSON request per line on stdin (``{"gold": str, "answer": str}``) and writes one JSON
 reply per line on stdout. It has no timeout of its own: math-verify's timeouts rely on
 ``signal.alarm``; the parent (:mod:`colossal_rl.reward.math_pool`) kills and replaces this
-process instead when an answer takes too long. It exits when stdin closes or its parent dies.
+process instead when an answer takes too long. It exits when stdin closes and dies with its parent
+(``worker_lifetime.py``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import sys
-import threading
-import time
 from typing import Any
+
+from .worker_lifetime import die_with_parent
 
 RELATIVE_TOLERANCE = 1e-3
 """After math-verify says equal, two numbers further apart than this (relatively) are still unequal.
@@ -73,20 +73,12 @@ def check(gold: str, answer: str) -> dict[str, Any]:
     return {"parsed": True, "correct": bool(correct), "gold_expr": str(gold_parsed[0])[:200]}
 
 
-def _exit_when_orphaned() -> None:
-    parent = os.getppid()
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(1)
-
-
 def main() -> None:
     protocol = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies may reach the protocol stream
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
+    die_with_parent(int(sys.argv[1]))  # even stuck in sympy's C code holding the GIL (worker_lifetime.py)
     import math_verify  # noqa: F401  (imported before "ready" so the first answer is not charged for it)
     import sympy  # noqa: F401
 

@@ -896,6 +896,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/unit/test_reward_bounded_calls.py::test_a_batch_of_many_hanging_samples_ends_within_its_budget",),
     ),
     Mutation(
+        name="math_worker_outlives_its_parent",
+        why="a math worker stuck on a hostile answer (C code holding the GIL) outlives its killed producer and spins",
+        path="reward/math_worker.py",
+        old="    die_with_parent(int(sys.argv[1]))",
+        new="    pass",
+        tests=("tests/unit/test_reward_math.py::test_a_math_worker_stuck_on_a_hostile_answer_dies_with_its_parent",),
+    ),
+    Mutation(
         name="timeout_message_without_activity",
         why="a late actor is named without what it was doing: a hanging reward looks like a deadlock again",
         path="colossal_rl/driver/calls.py",

@@ -272,3 +272,54 @@ def test_crashed_worker_is_infra_error_then_replaced():
     finally:
         scorer.close()
     assert replacement.process.poll() is not None  # close() stopped the worker process
+
+
+def test_a_math_worker_stuck_on_a_hostile_answer_dies_with_its_parent(tmp_path):
+    """``9^{9^{9^{9}}}`` keeps a worker in sympy's big-integer power, in C code holding the GIL, where no watching
+    thread runs: SIGKILLing its parent (as Ray kills a producer) must still end it (``worker_lifetime.py``)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    import psutil
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            r"""
+            from colossal_rl.reward.math_pool import MathVerifierPool
+
+            pool = MathVerifierPool(num_workers=1, timeout_s=600)
+            pool.check("1", "1")
+            print(*[worker.process.pid for worker in pool._workers], flush=True)
+            pool.check("1", r"$9^{9^{9^{9}}}$")
+            """
+        )
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    (pid,) = [int(pid) for pid in parent.stdout.readline().split()]
+
+    def alive() -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    try:
+        deadline = time.monotonic() + 30  # until the worker is busy on the hostile answer
+        while psutil.Process(pid).cpu_times().user < 1.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(), "the math worker outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if alive():
+            os.kill(pid, signal.SIGKILL)
