@@ -102,6 +102,7 @@ def test_a_gloo_broadcast_to_a_member_that_died_fails_the_same_way():
 
     def sender():
         group = create_standalone_group("gloo", 0, 2, "127.0.0.1", port, timeout_s=10.0)
+        group.store.set("sender_formed", "1")
         try:
             group.broadcast(torch.zeros(8, dtype=torch.uint8), 0)
         except CollectiveError as error:
@@ -109,7 +110,10 @@ def test_a_gloo_broadcast_to_a_member_that_died_fails_the_same_way():
         return None
 
     def dying_member():
-        create_standalone_group("gloo", 1, 2, "127.0.0.1", port, timeout_s=10.0)
+        group = create_standalone_group("gloo", 1, 2, "127.0.0.1", port, timeout_s=10.0)
+        # once the sender's side of the group is formed too (gloo connects both sides; leaving before the other
+        # finished would fail its formation instead, a failure the driver's recovery handles elsewhere)
+        group.store.wait(["sender_formed"], datetime.timedelta(seconds=10))
         return "left"  # its process ends without receiving: a producer killed mid-sync
 
     error, _ = run_members([sender, dying_member], timeout_s=30)

@@ -42,13 +42,19 @@ def plugin_spec(tmp_path):
     return f"{path}:score"
 
 
-def worker_processes() -> list[psutil.Process]:
-    """This process's bounded-call workers still running (zombies excluded)."""
-    return [
-        child
-        for child in psutil.Process().children(recursive=True)
-        if "colossal_rl.reward.bounded_worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE
-    ]
+def worker_processes(among: set[int] | None = None) -> list[psutil.Process]:
+    """This process's bounded-call workers still running (zombies excluded); ``among``: only these pids (other
+    tests in this process may hold pools of their own)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if among is not None and child.pid not in among:
+                continue
+            if "colossal_rl.reward.bounded_worker" in " ".join(child.cmdline()) and child.status() != "zombie":
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 def test_a_hanging_plugin_costs_only_its_samples_and_the_limit(plugin_spec):
@@ -67,19 +73,20 @@ def test_a_hanging_plugin_costs_only_its_samples_and_the_limit(plugin_spec):
         # the killed workers were replaced: the next batch is scored, by processes that answer
         assert [r.reward for r in scorer.score_batch(["xy", "z"], [{}] * 2)] == [2.0, 1.0]
     finally:
+        pids = set(scorer._pool.worker_pids())
         scorer.close()
-    assert worker_processes() == []
+    assert len(pids) == 2 and worker_processes(pids) == []
 
 
 def test_close_kills_a_worker_stuck_in_a_call(plugin_spec):
     pool = BoundedCallPool(PLUGIN_FACTORY, plugin_spec, timeout_s=60.0)
     assert pool.call("quick", {}).value.reward == 5.0
     pids = pool.worker_pids()
-    assert len(pids) == 2 and {p.pid for p in worker_processes()} == set(pids)
+    assert len(pids) == 2 and {p.pid for p in worker_processes(set(pids))} == set(pids)
     with pytest.raises(TimeoutError):  # a call stuck in "hang" until the pool closes
         pool._executor.submit(pool.call, "hang", {}).result(timeout=0.5)
     pool.close()
-    assert worker_processes() == []
+    assert worker_processes(set(pids)) == []
 
 
 def test_workers_die_with_their_parent(plugin_spec, tmp_path):

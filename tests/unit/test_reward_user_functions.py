@@ -34,8 +34,10 @@ def plugin_file(tmp_path):
 
 def test_plugin_scores_and_contains_exceptions(plugin_file):
     scorer = build_reward_scorer(reward_fn=f"{plugin_file}:length_reward")
-    records = scorer.score_batch(["abc", "boom", "ab", "record"], [{"length": 3}] * 4)
-    scorer.close()
+    try:
+        records = scorer.score_batch(["abc", "boom", "ab", "record"], [{"length": 3}] * 4)
+    finally:
+        scorer.close()
     assert records[0].reward == 1.0 and records[0].answer_ok
     assert records[1].status == "infra_error" and "user bug" in records[1].details["error"]
     assert records[2].reward == 0.0 and records[2].status == "ok"  # scored after the failing sample
@@ -46,7 +48,10 @@ def test_plugin_from_module_spec(tmp_path, monkeypatch):
     (tmp_path / "user_reward_module_for_test.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     scorer = build_reward_scorer(reward_fn="user_reward_module_for_test:length_reward")
-    assert [r.reward for r in scorer.score_batch(["ab", "abc"], [{"length": 3}] * 2)] == [0.0, 1.0]
+    try:
+        assert [r.reward for r in scorer.score_batch(["ab", "abc"], [{"length": 3}] * 2)] == [0.0, 1.0]
+    finally:
+        scorer.close()  # its worker processes, not left to the garbage collector
 
 
 @pytest.mark.parametrize(
