@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .worker_lifetime import Spawner
+from .worker_lifetime import Spawner, shut_down_workers
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class BoundedCallPool:
         for _ in range(num_workers):
             self._idle.put([self._start()])  # started now, so their imports overlap the caller's start-up
         self._executor = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="bounded-call")
-        self._finalizer = weakref.finalize(self, _shutdown, self._live, self._executor, self._spawner)
+        self._finalizer = weakref.finalize(self, shut_down_workers, self._live, self._executor, self._spawner)
 
     def _start(self) -> _Worker | None:
         if self._closed:
@@ -202,11 +202,3 @@ class BoundedCallPool:
     def close(self) -> None:
         self._closed = True
         self._finalizer()
-
-
-def _shutdown(live: set[_Worker], executor: ThreadPoolExecutor, spawner: Spawner) -> None:
-    executor.shutdown(wait=False, cancel_futures=True)
-    spawner.stop()
-    for worker in list(live):
-        worker.kill()
-    live.clear()

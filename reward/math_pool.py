@@ -22,7 +22,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .worker_lifetime import Spawner
+from .worker_lifetime import Spawner, shut_down_workers
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class MathVerifierPool:
             self._restart(slot)
             self._idle.put(slot)
         self._executor = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="math-verify")
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._executor, self._spawner)
+        self._finalizer = weakref.finalize(self, shut_down_workers, self._workers, self._executor, self._spawner)
 
     def _restart(self, slot: _Slot) -> None:
         """Kill the slot's worker (if any) and start a fresh one now, so its imports overlap other work."""
@@ -186,11 +186,3 @@ class MathVerifierPool:
     def close(self) -> None:
         self._closed = True
         self._finalizer()
-
-
-def _shutdown(workers: set[_Worker], executor: ThreadPoolExecutor, spawner: Spawner) -> None:
-    executor.shutdown(wait=False, cancel_futures=True)
-    spawner.stop()
-    for worker in list(workers):
-        worker.kill()
-    workers.clear()

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
@@ -67,3 +67,12 @@ class Spawner:
 
     def stop(self) -> None:
         self._requests.put(None)
+
+
+def shut_down_workers(workers: set, executor: ThreadPoolExecutor, spawner: Spawner) -> None:
+    """A pool's end (its ``weakref.finalize``): no new calls, no new workers, every live worker killed."""
+    executor.shutdown(wait=False, cancel_futures=True)
+    spawner.stop()
+    for worker in list(workers):
+        worker.kill()
+    workers.clear()

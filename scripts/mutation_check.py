@@ -162,7 +162,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="old_logprobs_are_new_detached",
         why="pi_old is the step's own forward again: the PPO ratio is always 1 and no clip ever acts",
-        path="colossal_rl/training/trainer.py",
+        path="colossal_rl/training/step_loss.py",
         old="old_logprobs = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs",
         new="old_logprobs = new_logprobs.detach()",
         tests=(
