@@ -133,6 +133,7 @@ def test_a_member_below_a_dead_one_fails_at_once_instead_of_waiting_out_the_time
 
     def sender():
         group = create_standalone_group("gloo", 0, 3, "127.0.0.1", port, timeout_s=timeout_s)
+        group.store.set("formed/0", "1")
         time.sleep(1.0)  # member 1's process has ended
         try:
             group.broadcast(torch.ones(1024), 0)
@@ -143,11 +144,14 @@ def test_a_member_below_a_dead_one_fails_at_once_instead_of_waiting_out_the_time
         return failure
 
     def dying_member():
-        create_standalone_group("gloo", 1, 3, "127.0.0.1", port, timeout_s=timeout_s)
+        group = create_standalone_group("gloo", 1, 3, "127.0.0.1", port, timeout_s=timeout_s)
+        # leaves once the others' sides of the group are formed too (else their formation fails instead)
+        group.store.wait(["formed/0", "formed/2"], datetime.timedelta(seconds=timeout_s))
         return "left"
 
     def member_below():
         group = create_standalone_group("gloo", 2, 3, "127.0.0.1", port, timeout_s=timeout_s)
+        group.store.set("formed/2", "1")
         try:
             group.broadcast(torch.zeros(1024), 0)
             return None
