@@ -254,10 +254,13 @@ class Simulation:
         if step is None:
             return
         tokens = sum(group.tokens for group in step.groups)
-        duration = self.shape.train_overhead_s + tokens * self.shape.train_token_s / self.shape.trainers
-        for group in step.groups:
-            lag = step.step - self.steps_at_version[group.policy_version]
-            self.stats.lags[lag] = self.stats.lags.get(lag, 0) + 1
+        duration = (
+            step.num_steps * self.shape.train_overhead_s + tokens * self.shape.train_token_s / self.shape.trainers
+        )
+        for index, groups in enumerate(step.step_groups()):  # a round's order holds all of its steps
+            for group in groups:
+                lag = step.step + index - self.steps_at_version[group.policy_version]
+                self.stats.lags[lag] = self.stats.lags.get(lag, 0) + 1
         self.stats.trained_groups += len(step.groups)
         self.trainer.enter("training", self.now)
         self.at(duration, self._step_done)

@@ -1,7 +1,7 @@
 """Trainer step time per sequence layout, side by side in one process, on real rollouts of the embedded task.
 
 Two rollout shapes, each one optimizer step of 16 prompts x 8 samples made by the real producer
-(``Producer.produce``: the embedded model, data, reward and post-processing):
+(``Producer.produce_chunk`` on round 0's rows: the embedded model, data, reward and post-processing):
 
 - ``default``: the default run's rollouts (``python rl_example.py``'s config: prompts much longer than the
   16-token responses);
@@ -43,6 +43,7 @@ def rollout_batch(data_changes: dict, generation_changes: dict):
     from colossal_rl.config_resolve import resolve
     from colossal_rl.reward import build_reward_scorer
     from colossal_rl.rollout.producer import Producer
+    from colossal_rl.schedule.prompts import EpisodeSchedule
 
     config = RLConfig()
     config = resolve(
@@ -53,8 +54,12 @@ def rollout_batch(data_changes: dict, generation_changes: dict):
         )
     ).validate()
     scorer = build_reward_scorer(reward_type=config.reward.reward_type, code_verifier_url=None, reward_fn=None)
-    batch, _ = Producer(0, config, scorer).produce(round_index=0)
-    return config, batch
+    producer = Producer(0, config, scorer)
+    schedule = config.schedule  # round 0's share of producer 0, as the round schedule orders it
+    rows = EpisodeSchedule(
+        len(producer.train_data), schedule.num_producers, schedule.inference_batch_size, config.data.seed
+    ).rows_for(0, 0)
+    return config, producer.produce_chunk(0, rows, seed_index=0).batch
 
 
 def make_trainer(config, train_changes: dict):

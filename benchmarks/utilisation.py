@@ -14,7 +14,7 @@ Per actor: producers ``generate`` (and ``busy``: generate + reward + postprocess
 ``compute`` (forward_backward + optimizer_step); ``sync`` is receiving / sending weights (for a
 producer this includes waiting in the broadcast for the trainer to finish its round) and ``idle`` is
 time in no phase (a producer with nothing queued, a trainer between calls). ``waiting`` = sync +
-idle (+ the trainer's ``wait`` for rollouts). The goal: with ``n_behind=1`` producers idle < 10 %
+idle (a trainer waiting for rollouts is idle). The goal: with ``n_behind=1`` producers idle < 10 %
 (in the steady window).
 
     python benchmarks/utilisation.py [--steps 16] [--n-behind 0,1] [--flags '-t 2 -tbs 8 -tMbs 8']

@@ -188,7 +188,10 @@ def run_ours(model: str, settings: Settings, n_behind: int, extra_flags: list[st
         "tokens": sum(r["rollout/groups"] * r["rollout/response_length"] for r in rollouts) * settings.num_generations,
         "steps": summary.steps,
         "end_to_end_s": time.perf_counter() - STARTED,
-        "train_s": sum(r["time/round_s"] for r in records if "time/round_s" in r),
+        # what the round loop's time/round_s covered, each round's training and its weight sync: every training
+        # order's time (on its last step's "train" record) plus every sync's ("sync" records)
+        "train_s": sum(r["time/train_order_s"] for r in train if "time/train_order_s" in r)
+        + sum(r["time/sync_s"] for r in records if r["kind"] == "sync" and "time/sync_s" in r),
         "eval_before": summary.eval_accuracy_before["math"],
         "eval_after": summary.eval_accuracy_after["math"],
         "final_reward": statistics.mean(r["train/reward"] for r in last),

@@ -816,7 +816,7 @@ class RLConfig:
         )
 
     def _validate_stream(self) -> None:
-        """What ``--schedule stream`` runs with (``driver/stream_loop.py``); the rest fails here, naming it."""
+        """What ``--schedule stream`` runs with (``driver/schedule_loop.py`` with ``schedule/streaming.py``); the rest fails here, naming it."""
         sched = self.schedule
         _require_choice(sched.mode, ScheduleMode, "schedule.mode")
         if sched.mode != "stream":

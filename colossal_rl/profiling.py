@@ -1,11 +1,12 @@
 """Per-actor phase timings (``--enable_profiling``): record, collect into ``profile.jsonl``, summarise, render.
 
 Each producer and trainer keeps a :class:`PhaseRecorder`; its spans (phase, wall-clock start and
-end) are drained by the driver after every round and appended to ``<run_dir>/profile.jsonl`` as
+end) are drained by the driver at the end of the run and appended to ``<run_dir>/profile.jsonl`` as
 ``{"actor": "producer 0", "phase": "generate", "start": ..., "end": ...}``. Phases: producers
 ``generate``, ``reward``, ``postprocess``, ``put`` (hand-off to the buffer), ``sync`` (receive
-weights), ``eval``; trainers ``wait`` (for the round's rollouts), ``fetch``, ``forward_backward``,
-``optimizer_step``, ``sync`` (gather + broadcast), ``checkpoint``. Time in no phase is idle.
+weights), ``eval``; trainers ``fetch`` (the step's rollouts), ``old_logprobs``, ``forward_backward``,
+``optimizer_step``, ``sync`` (gather + broadcast), ``checkpoint``. Time in no phase is idle (a trainer
+waiting for rollouts included).
 
 A recorder can also say, as each phase starts and ends, what its actor is doing now (:class:`ActivityBoard`,
 whatever the profiling setting): the driver reads it when an actor does not answer in time, since a busy actor

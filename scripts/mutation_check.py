@@ -332,7 +332,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[hf/model.safetensors]",
             "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[hf/config.json]",
             "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[state.json]",
-            "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[buffer.pt]",
+            "tests/unit/test_checkpoint_verification.py::test_a_flip_is_caught_by_the_hash[chunks.pt]",
         ),
     ),
     Mutation(
@@ -488,11 +488,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="rounds_ignore_max_steps",
-        why="the round loop runs every planned round: a DAPO run with --max-steps trains past (or short of) it",
-        path="colossal_rl/driver/run.py",
-        old="last_round = round_index == rounds - 1 or (max_steps is not None and self.step >= max_steps)",
-        new="last_round = round_index == rounds - 1",
-        tests=("tests/e2e/test_e2e_cpu.py::test_driver_syncs_weights_and_drops_stale_batches",),
+        why="the round schedule runs every planned round: a DAPO run with --max-steps trains past (or short of) it",
+        path="colossal_rl/schedule/rounds.py",
+        old="max_steps is not None and self._steps_done >= max_steps",
+        new="False",
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::test_max_steps_exactly_met_ends_the_run_at_that_round[4-2]",
+            "tests/unit/test_round_schedule.py::test_max_steps_exactly_met_ends_the_run_and_one_short_does_not",
+        ),
     ),
     # issue 44: NCCL abort, watchdog order, eager communicator
     Mutation(
@@ -774,8 +777,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="stream_orders_a_second_sync_in_flight",
-        why="the stream loop orders a sync while one is in flight: a trainer overwrites what a producer has not read",
-        path="colossal_rl/driver/stream_loop.py",
+        why="the schedule loop orders a sync while one is in flight: a trainer overwrites what a producer has not read",
+        path="colossal_rl/driver/schedule_loop.py",
         old='        if version is not None and not self._kinds("sync"):\n',
         new="        if version is not None:\n",
         tests=(
@@ -785,9 +788,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="stream_frees_a_usable_chunk",
         why="a chunk exactly S versions stale has its payload freed while its groups may still be trained",
-        path="colossal_rl/driver/stream_loop.py",
-        old="result.groups[0].policy_version < oldest_usable]",
-        new="result.groups[0].policy_version <= oldest_usable]",
+        path="colossal_rl/schedule/streaming.py",
+        old="        return self._steps_done - group.policy_version <= self.settings.max_staleness",
+        new="        return self._steps_done - group.policy_version < self.settings.max_staleness",
         tests=(
             "tests/unit/test_stream_loop_decisions.py::test_a_chunk_exactly_s_versions_stale_keeps_its_payload_and_one_staler_is_freed[1-kept0]",
         ),
@@ -795,9 +798,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="stream_loses_a_dead_producers_rows",
         why="a chunk lost with its producer is forgotten without handing its rows out again: they are never trained",
-        path="colossal_rl/driver/stream_loop.py",
-        old="                self.scheduler.chunk_lost(waiting.subject.chunk_id)\n",
-        new="",
+        path="colossal_rl/driver/schedule_loop.py",
+        old="                again = self.scheduler.chunk_lost(waiting.subject.chunk_id)\n",
+        new="                again = None\n",
         tests=(
             "tests/unit/test_stream_loop_decisions.py::test_a_chunk_lost_with_its_producer_hands_its_rows_out_again_first",
         ),
@@ -805,8 +808,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="stream_evals_at_the_last_step",
         why="an -ei eval is ordered at the last step too, beside the run's final eval: the same weights twice",
-        path="colossal_rl/driver/stream_loop.py",
-        old=" or step < progress.next_eval_step or step >= self.total_steps:",
+        path="colossal_rl/driver/schedule_loop.py",
+        old=" or step < progress.next_eval_step or self.scheduler.finished:",
         new=" or step < progress.next_eval_step:",
         tests=(
             "tests/unit/test_stream_loop_decisions.py::test_the_eval_is_ordered_behind_the_sync_of_exactly_its_step_and_never_at_the_last[3]",
@@ -816,30 +819,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         name="checkpoint_one_step_past_its_interval",
         why="a checkpoint is taken one step after -si is reached, not at it",
         path="colossal_rl/driver/run.py",
-        old="return last_round or self.step // interval > self.last_saved_step // interval",
-        new="return last_round or (self.step - 1) // interval > self.last_saved_step // interval",
+        old="return last or self.step // interval > self.last_saved_step // interval",
+        new="return last or (self.step - 1) // interval > self.last_saved_step // interval",
         tests=(
             "tests/unit/test_stream_loop_decisions.py::test_a_checkpoint_is_due_when_the_interval_is_exactly_reached_or_at_the_last_step[2-0-False-True]",
         ),
     ),
     Mutation(
         name="rounds_produce_past_the_last",
-        why="the round loop orders one round more than the run trains: its rollouts are generated for nothing",
-        path="colossal_rl/driver/run.py",
-        old="            if round_index + 1 + n_behind < rounds:\n",
-        new="            if round_index + 1 + n_behind <= rounds:\n",
+        why="the round schedule orders one round more than the run trains: its rollouts are generated for nothing",
+        path="colossal_rl/schedule/rounds.py",
+        old="            and self._next_round < settings.total_rounds\n",
+        new="            and self._next_round <= settings.total_rounds\n",
         tests=(
-            "tests/unit/test_round_loop_decisions.py::test_the_round_loop_submits_the_schedule_n_behind_rounds_ahead[1]",
+            "tests/unit/test_round_loop_decisions.py::test_the_loop_submits_the_round_schedule_n_behind_rounds_ahead[1]",
         ),
     ),
     Mutation(
         name="rounds_sync_the_version_already_held",
-        why="after training round r the producers are synced to version r, not r + 1: every round one step staler",
-        path="colossal_rl/driver/run.py",
-        old='self._sync_weights(round_index + 1, reason=f"end of round {round_index}")',
-        new='self._sync_weights(round_index, reason=f"end of round {round_index}")',
+        why="a trained round's steps leave the trainers' version where it was: producers stay a round staler",
+        path="colossal_rl/schedule/rounds.py",
+        old="        self._step_open = None\n        self.rounds_trained += 1\n",
+        new="        self._step_open = None\n",
         tests=(
-            "tests/unit/test_round_loop_decisions.py::test_the_round_loop_submits_the_schedule_n_behind_rounds_ahead[0]",
+            "tests/unit/test_round_loop_decisions.py::test_the_loop_submits_the_round_schedule_n_behind_rounds_ahead[0]",
+            "tests/unit/test_round_schedule.py::test_exact_orders_carry_over_and_versions",
         ),
     ),
     Mutation(
@@ -855,7 +859,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="round_sync_formed_outside_recovery",
-        why="the round loop makes a sync (which may form its group again) outside the restart recovery: a producer "
+        why="the driver makes a sync (which may form its group again) outside the restart recovery: a producer "
         "dying as the group forms ends a run the restart budget allowed",
         path="colossal_rl/driver/run.py",
         old="""                self.sync.broken()
@@ -868,8 +872,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="stream_sync_formed_outside_recovery",
-        why="the stream loop's remade sync lets a producer death during the group's formation end the run",
-        path="colossal_rl/driver/stream_loop.py",
+        why="the schedule loop's remade sync lets a producer death during the group's formation end the run",
+        path="colossal_rl/driver/schedule_loop.py",
         old="""            except RunFailed as failure:  # its lost chunks fail in their own waits, and are handed out again
                 driver.restarted_producers(failure, [], whole_sync=True)  # raises unless producers were restarted
                 if attempt == 2:""",
@@ -918,6 +922,39 @@ MUTATIONS: tuple[Mutation, ...] = (
         old='"rollout/env_errors": float(sum(bool(e.environment_error) for e in episodes)),',
         new='"rollout/env_errors": 0.0,',
         tests=("tests/unit/test_multi_turn.py::test_environment_errors_are_counted_and_logged_once_per_rollout_batch",),
+    ),
+    # issue 45: rounds under the one schedule loop
+    Mutation(
+        name="rounds_lost_chunk_not_made_again",
+        why="a round's chunk lost with its producer is not made again: the round never completes and the run stalls",
+        path="colossal_rl/schedule/rounds.py",
+        old='            raise ValueError(f"chunk {chunk_id} is not in flight")\n        return order\n',
+        new='            raise ValueError(f"chunk {chunk_id} is not in flight")\n        return None\n',
+        tests=(
+            "tests/unit/test_round_schedule.py::test_a_lost_chunk_is_made_again_as_it_was_and_a_finished_one_cannot_be_lost",
+            "tests/unit/test_round_loop_decisions.py::test_a_lost_round_chunk_is_made_again_as_it_was_after_the_restarted_producer_gets_its_weights",
+        ),
+    ),
+    Mutation(
+        name="rounds_sampled_by_chunk_id",
+        why="a round's chunks are seeded by their chunk ids, not the round: a resumed or restarted round samples anew",
+        path="colossal_rl/schedule/rounds.py",
+        old="ChunkOrder(r * settings.num_producers + rank, rank, episode, rows, self.synced_version, r)",
+        new="ChunkOrder(r * settings.num_producers + rank, rank, episode, rows, self.synced_version)",
+        tests=(
+            "tests/unit/test_round_schedule.py::test_exact_orders_carry_over_and_versions",
+            "tests/unit/test_round_loop_decisions.py::test_a_round_is_one_chunk_per_producer_with_its_rows_version_and_seed_and_one_order_of_all_its_steps",
+        ),
+    ),
+    Mutation(
+        name="rounds_checkpoint_without_the_round_in_flight",
+        why="a round-schedule checkpoint does not wait for the rounds in flight (-nb): their rollouts are lost on resume",
+        path="colossal_rl/schedule/rounds.py",
+        old="    settles_before_snapshot = True\n",
+        new="    settles_before_snapshot = False\n",
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::test_a_checkpoint_waits_for_the_round_in_flight_and_saves_every_untrained_rollout",
+        ),
     ),
 )
 

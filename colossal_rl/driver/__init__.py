@@ -8,12 +8,12 @@ Its files import downwards only, bottom to top:
 - ``actors.py``: the thin ``@ray.remote`` shells around the buffer, the ``Producer`` and the ``Trainer``.
 - ``placement.py``: which node and GPUs each producer and trainer gets (pure functions of ``ray.nodes()``).
 - ``actor_groups.py``: the producer and trainer groups, every remote call the driver makes, and creating them.
-- ``pending_calls.py``, ``producer_restarts.py``, ``save_and_resume.py``, ``weight_sync.py``: the calls submitted
-  and not consumed, surviving producer deaths, saving and restoring a run, and the one weight-sync orchestrator
-  (``SyncOrchestrator``: bring producers to a version by the route that fits, for every caller).
-- ``run.py``: a started run (``Driver``): its actors, weight sync, evals, checkpoints, export, shut down, and the
-  round schedule's loop.
-- ``stream_loop.py``: the streaming schedule's loop on a ``Driver``.
+- ``producer_restarts.py``, ``save_and_resume.py``, ``weight_sync.py``: surviving producer deaths, saving and
+  restoring a run, and the one weight-sync orchestrator (``SyncOrchestrator``: bring producers to a version by
+  the route that fits, for every caller).
+- ``schedules.py``: ``--schedule`` made into its scheduler (rounds or stream) and the run's step count.
+- ``run.py``: a started run (``Driver``): its actors, weight sync, evals, export, shut down.
+- ``schedule_loop.py``: the one loop, carrying out either scheduler's decisions on a ``Driver``'s actors.
 - ``launch.py``: ``run_training``, the entry: config and inputs checked, Ray started, a ``Driver``, its loop.
 
 Importing this package imports none of them; none imports torch (the actors import it inside their methods).

@@ -68,13 +68,10 @@ class ProducerGroup(ActorGroup):
         """``routes_by_producer[rank]``: that producer's ``ReceiveRoute`` of every stage (``comm/weight_sync/modes.py``)."""
         return self._each("join_weight_sync", lambda actor: actor.join_weight_sync.remote(routes_by_producer))
 
-    def produce(self, round_index: int, buffer) -> Calls:
-        return self._each("produce", lambda actor: actor.produce.remote(round_index, buffer))
-
-    def produce_chunk(self, rank: int, chunk_id: int, rows: list[int], buffer, min_version: int = 0) -> Calls:
-        return self._each(
-            "produce_chunk", lambda actor: actor.produce_chunk.remote(chunk_id, rows, buffer, min_version), [rank]
-        )
+    def produce_chunk(self, order, buffer) -> Calls:
+        """Order ``order`` (``schedule/events.ChunkOrder``) on its producer."""
+        chunk = (order.chunk_id, list(order.rows), buffer, order.policy_version, order.sampling_seed_index)
+        return self._each("produce_chunk", lambda actor: actor.produce_chunk.remote(*chunk), [order.producer_rank])
 
     def receive_weights(self, policy_version: int) -> Calls:
         return self._each("receive_weights", lambda actor: actor.receive_weights.remote(policy_version))
@@ -102,12 +99,11 @@ class TrainerGroup(ActorGroup):
     def set_total_steps(self, total_steps: int) -> Calls:
         return self._each("set_total_steps", lambda actor: actor.set_total_steps.remote(total_steps))
 
-    def train_round(self, round_index: int, buffer, sample_step: int | None) -> Calls:
-        return self._each("train_round", lambda actor: actor.train_round.remote(round_index, buffer, sample_step))
-
-    def train_step(self, step: int, trainer_version: int, shares: list, sample: bool) -> Calls:
-        """``shares[dp_rank]``: the ``GroupRef``s that data-parallel rank trains (the same list goes to every rank)."""
-        return self._each("train_step", lambda actor: actor.train_step.remote(step, trainer_version, shares, sample))
+    def train_steps(self, first_step: int, trainer_version: int, shares: list, sample_step: int | None) -> Calls:
+        """``shares[step][dp_rank]``: the ``GroupRef``s that data-parallel rank trains in that step (the same list
+        goes to every rank)."""
+        train = (first_step, trainer_version, shares, sample_step)
+        return self._each("train_steps", lambda actor: actor.train_steps.remote(*train))
 
     def push_weights(self, policy_version: int) -> Calls:
         return self._each("push_weights", lambda actor: actor.push_weights.remote(policy_version))
@@ -162,13 +158,7 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
         os.cpu_count() or 1, sched.num_producers, par.num_trainers, config.run.producer_threads,
         config.run.trainer_threads,
     )  # fmt: skip
-    buffer = BufferActor.remote(
-        num_producers=sched.num_producers,
-        dp_size=par.dp_size,
-        groups_per_step=config.train.batch_size,
-        n_behind=sched.n_behind,
-        takers_per_rank=par.tp_size * par.pp_size,
-    )
+    buffer = BufferActor.remote()
     master_port = trainer_master_port(config.run.master_port, joins_cluster=config.run.master_address is not None)
     ray_nodes = ray.nodes()
     placement = actor_options(

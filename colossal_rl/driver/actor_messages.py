@@ -44,23 +44,8 @@ class TrainerReady:
 
 
 @dataclass(frozen=True)
-class RoundResult:
-    """What one trainer rank did with one round: per optimizer step its metrics and the data rows it trained on."""
-
-    round_index: int
-    steps: list[dict[str, float]]
-    """One entry per optimizer step (``ppo_epochs`` passes included), in order."""
-    data_indices: list[list[int]]
-    """Per step, the training-set rows its rollouts came from (sorted)."""
-    samples: list[dict[str, Any]]
-    """Rollouts of the step picked for logging (``--log-rollout-interval``); empty otherwise."""
-    dropped_stale_groups: int
-    carried_over_groups: int
-
-
-@dataclass(frozen=True)
 class ChunkResult:
-    """A producer's streaming chunk (``ProducerActor.produce_chunk``): the kept groups' payload and every row's facts."""
+    """A producer's chunk (``ProducerActor.produce_chunk``): the kept groups' payload and every row's facts."""
 
     chunk_id: int
     producer_rank: int
@@ -70,13 +55,13 @@ class ChunkResult:
     batch_rows: tuple[int, ...]
     """The payload's groups' rows: group ``i`` of the batch is row ``batch_rows[i]``."""
     groups: tuple[FinishedGroup, ...]
-    """Every row of the chunk, kept or filtered, for the schedule (``StreamingScheduler.chunk_done``)."""
+    """Every row of the chunk, kept or filtered, for the schedule (its scheduler's ``chunk_done``)."""
     metrics: dict[str, float]
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one trainer rank did in one streaming optimizer step (``TrainerActor.train_step``)."""
+    """What one trainer rank did in one optimizer step (``TrainerActor.train_steps``)."""
 
     step: int
     metrics: dict[str, float]

@@ -6,19 +6,17 @@ puts a timeout on every wait. No algorithm logic here.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
 
-from colossal_rl.comm.buffer import Assignment, BufferSnapshot, GroupRef, RoundBuffer
+from colossal_rl.comm.buffer import GroupRef
 from colossal_rl.config import RLConfig
-from colossal_rl.driver.actor_messages import ChunkResult, ProducerReady, RoundResult, StepResult, TrainerReady
+from colossal_rl.driver.actor_messages import ChunkResult, ProducerReady, StepResult, TrainerReady
 from colossal_rl.driver.calls import ProducerRestarted, activity_board
 from colossal_rl.profiling import PhaseRecorder
 
@@ -54,95 +52,13 @@ def node_address() -> str:
 
 @ray.remote
 class BufferActor:
-    """Async actor: ``take`` waits (with a timeout) until a round is complete without blocking ``put``."""
-
-    def __init__(
-        self, *, num_producers: int, dp_size: int, groups_per_step: int, n_behind: int, takers_per_rank: int = 1
-    ):
-        self._buffer = RoundBuffer(
-            num_producers=num_producers,
-            dp_size=dp_size,
-            groups_per_step=groups_per_step,
-            n_behind=n_behind,
-            takers_per_rank=takers_per_rank,
-        )
-        self._changed: asyncio.Condition | None = None
-        self._arrivals: dict[int, dict[int, float]] = {}
-        """Round -> producer -> wall-clock time its share arrived, for the last few rounds (start-up report)."""
-
-    def _condition(self) -> asyncio.Condition:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        return self._changed
-
-    async def put(
-        self,
-        round_index: int,
-        producer_rank: int,
-        payload: list,
-        num_groups: int,
-        policy_version: int,
-        group_tokens: tuple[int, ...] = (),
-        redelivery: bool = False,
-    ) -> None:
-        """``redelivery``: from a restarted producer regenerating its rounds; a share already here is kept.
-
-        ``payload``: [a handle to the batch's bytes (``comm/wire.py``)] or []. The buffer copies them into an object
-        it owns, so the rollouts outlive a producer that dies before they are trained (Ray 2.56 removed
-        ``ray.put(..., _owner=...)``, which let the producer make the buffer the owner)."""
-        if redelivery and self._buffer.has_delivery(round_index, producer_rank):
-            logger.info("buffer: producer %d's round %d is already here; its redelivery is dropped",
-                        producer_rank, round_index)  # fmt: skip
-            return
-        owned = ray.put(await payload[0]) if payload else None
-        self._buffer.put(round_index, producer_rank, owned, num_groups, policy_version, group_tokens)
-        self._arrivals.setdefault(round_index, {})[producer_rank] = time.time()
-        while len(self._arrivals) > 8:
-            del self._arrivals[min(self._arrivals)]
-        async with self._condition():
-            self._condition().notify_all()
+    """Async actor owning the rollouts between their producer and the trainers: ``keep`` copies a chunk's batch
+    into an object this actor owns, so it outlives a producer that dies before its groups are trained (Ray 2.56
+    removed ``ray.put(..., _owner=...)``, which let the producer make the buffer the owner)."""
 
     async def keep(self, payload: list) -> list:
-        """[a copy of ``payload[0]``'s bytes in an object this buffer owns] (the streaming schedule's chunks): it
-        outlives a producer that dies before the chunk's groups are trained, as ``put``'s copies do."""
+        """[a copy of ``payload[0]``'s bytes in an object this buffer owns]."""
         return [ray.put(await payload[0])]
-
-    async def take(self, round_index: int, dp_rank: int, trainer_policy_version: int, timeout_s: float) -> Assignment:
-        condition = self._condition()
-        async with condition:
-            try:
-                await asyncio.wait_for(condition.wait_for(lambda: self._buffer.is_complete(round_index)), timeout_s)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"buffer: round {round_index} incomplete after {timeout_s:.0f}s (a producer is late or dead)"
-                ) from None
-        return self._buffer.take(round_index, dp_rank, trainer_policy_version)
-
-    async def arrival_times(self, round_index: int) -> dict[int, float]:
-        """Producer rank -> when its share of ``round_index`` arrived (wall clock), if among the last few rounds."""
-        return dict(self._arrivals.get(round_index, {}))
-
-    async def snapshot(self) -> BufferSnapshot:
-        """Payloads stay object-store handles here; the driver fetches them for the checkpoint."""
-        return self._buffer.snapshot()
-
-    async def restore(self, snapshot: BufferSnapshot) -> None:
-        self._buffer.restore(snapshot)
-
-    async def stats(self) -> dict[str, int]:
-        return {
-            "dropped_stale_groups": self._buffer.dropped_stale_groups,
-            "pooled_groups": self._buffer.pooled_groups(),
-        }
-
-
-def assemble_steps(assignment: Assignment, groups_per_step: int, pad_token_id: int) -> list[RolloutBatch]:
-    """Fetch the payloads of an assignment and cut them into one batch per optimizer step."""
-    fetched = fetch_payloads(assignment.groups)
-    return [
-        step_batch(assignment.groups[step * groups_per_step : (step + 1) * groups_per_step], fetched, pad_token_id)
-        for step in range(assignment.num_steps)
-    ]
 
 
 def fetch_payloads(groups: list[GroupRef]) -> dict[int, RolloutBatch]:
@@ -261,37 +177,19 @@ class ProducerActor:
                 self.producer.load_weights(policy_version, named_tensors)
         self.awaiting_weights = False
 
-    def produce(self, round_index: int, buffer) -> dict[str, float]:
-        from colossal_rl.comm import wire
-        from colossal_rl.comm.token_balance import group_token_costs
-
-        self._check_weights()
-        batch, metrics = self.producer.produce(round_index)
-        with self.producer.phases.record("put"):
-            # As bytes any torch build reads (comm/wire.py); the buffer copies them into an object it owns, so the
-            # rollouts outlive this producer if it dies before they are trained.
-            payload = [ray.put(wire.encode(batch))] if batch is not None else []
-            groups = batch.num_groups if batch is not None else 0
-            shared_prompt = self.config.sequence_layout == "shared_prompt"
-            costs = tuple(group_token_costs(batch, shared_prompt=shared_prompt)) if batch is not None else ()
-            ray.get(
-                buffer.put.remote(
-                    round_index, self.rank, payload, groups, self.producer.policy_version, costs, self.restarted
-                ),
-                timeout=self.config.run.timeout_s,
-            )
-        metrics["rollout/policy_version"] = self.producer.policy_version
-        return metrics
-
-    def produce_chunk(self, chunk_id: int, rows: list[int], buffer, min_version: int = 0) -> ChunkResult:
-        """One streaming chunk (``Producer.produce_chunk``): its kept groups' batch goes to the object store (as
-        ``comm/wire.py`` bytes), copied into an object the buffer owns (it outlives this producer); the driver
+    def produce_chunk(
+        self, chunk_id: int, rows: list[int], buffer, min_version: int = 0, seed_index: int | None = None
+    ) -> ChunkResult:
+        """One chunk of either schedule (``Producer.produce_chunk``): its kept groups' batch goes to the object store
+        (as ``comm/wire.py`` bytes), copied into an object the buffer owns (it outlives this producer); the driver
         gets that handle and every row's facts. ``min_version``: the chunk's order's version (continuous
-        batching: calls run concurrently, so the version is waited for, not implied by the call order)."""
+        batching: calls run concurrently, so the version is waited for, not implied by the call order).
+        ``seed_index``: what sampling is seeded with (None: ``chunk_id``)."""
         from colossal_rl.comm import wire
 
         self._check_weights()
-        chunk = self.producer.produce_chunk(chunk_id, rows, min_version)
+        seed = chunk_id if seed_index is None else seed_index
+        chunk = self.producer.produce_chunk(chunk_id, rows, min_version, seed_index=seed)
         payload = None
         with self.producer.phases.record("put"):
             if chunk.batch is not None:
@@ -400,48 +298,29 @@ class TrainerActor:
             return []
         return [ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})]
 
-    def train_round(self, round_index: int, buffer, sample_step: int | None = None) -> RoundResult:
-        """Train every step the buffer deals this rank for ``round_index``.
-
-        ``sample_step``: index (within the round) of a step whose rollouts are returned for logging.
-        """
-        timeout = self.config.run.timeout_s
-        with self.trainer.phases.record("wait"):
-            assignment = ray.get(
-                buffer.take.remote(round_index, self.trainer.dp_rank, self.trainer.policy_version, timeout),
-                timeout=timeout + 10,
-            )
-        with self.trainer.phases.record("fetch"):
-            steps = assemble_steps(assignment, self.config.train.batch_size, self.trainer.pad_token_id)
-        trained = self.trainer.train_epochs(steps, round_index)  # ppo_epochs passes: one entry per optimizer step
-        step_metrics = [metrics | self._batch_metrics(batch) for metrics, batch in trained]
-        samples = []
-        if sample_step is not None and sample_step < len(steps):
-            samples = rollout_samples(steps[sample_step])
-        return RoundResult(
-            round_index=round_index,
-            steps=step_metrics,
-            data_indices=[sorted(batch.data_indices) for _, batch in trained],
-            samples=samples,
-            dropped_stale_groups=assignment.dropped_stale_groups,
-            carried_over_groups=assignment.carried_over_groups,
-        )
-
-    def train_step(self, step: int, trainer_version: int, shares: list[list[GroupRef]], sample: bool) -> StepResult:
-        """One streaming optimizer step on this rank's share, ``shares[dp_rank]`` (every tensor- and pipeline-
-        parallel rank of a data-parallel rank trains the same groups). ``trainer_version``: the version the
-        trainers hold, optimizer steps done (the staleness metric's reference). ``sample``: return its rollouts."""
+    def train_steps(
+        self, first_step: int, trainer_version: int, shares: list[list[list[GroupRef]]], sample_step: int | None
+    ) -> list[StepResult]:
+        """The optimizer steps of one order (``schedule/events.StepOrder``): ``shares[s][dp_rank]`` is this rank's
+        share of step ``s`` (every tensor- and pipeline-parallel rank of a data-parallel rank trains the same
+        groups); ``--ppo-epochs`` passes go over them all. ``trainer_version``: the version the trainers hold (the
+        staleness metric's reference; the epochs' shuffle seed). ``sample_step``: index of a step (of the first
+        pass) whose rollouts are returned for logging. One result per optimizer step, in order."""
         self.trainer.policy_version = trainer_version
-        share = shares[self.trainer.dp_rank]
         with self.trainer.phases.record("fetch"):
-            batch = step_batch(share, fetch_payloads(share), self.trainer.pad_token_id)
-        ((metrics, trained),) = self.trainer.train_epochs([batch], step)  # ppo_epochs 1: one optimizer step
-        return StepResult(
-            step=step,
-            metrics=metrics | self._batch_metrics(trained),
-            data_indices=sorted(trained.data_indices),
-            samples=rollout_samples(trained) if sample else [],
-        )
+            mine = [step_shares[self.trainer.dp_rank] for step_shares in shares]
+            fetched = fetch_payloads([group for share in mine for group in share])
+            steps = [step_batch(share, fetched, self.trainer.pad_token_id) for share in mine]
+        trained = self.trainer.train_epochs(steps, trainer_version)  # one entry per optimizer step
+        return [
+            StepResult(
+                step=first_step + index,
+                metrics=metrics | self._batch_metrics(batch),
+                data_indices=sorted(batch.data_indices),
+                samples=rollout_samples(steps[sample_step]) if index == sample_step else [],
+            )
+            for index, (metrics, batch) in enumerate(trained)
+        ]
 
     def _batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         metrics = {

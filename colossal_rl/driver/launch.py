@@ -16,13 +16,13 @@ import ray
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE, config_to_yaml
 from colossal_rl.driver.placement import resolve_precision_for_cluster, resolve_sync_mode_for_cluster
-from colossal_rl.driver.run import Driver, total_rounds
+from colossal_rl.driver.run import Driver
 from colossal_rl.driver.save_and_resume import checkpoint_to_resume
-from colossal_rl.driver.stream_loop import StreamLoop, stream_total_steps
+from colossal_rl.driver.schedule_loop import ScheduleLoop
+from colossal_rl.driver.schedules import make_scheduler, plan_schedule
 from colossal_rl.local_ray import shutdown_local_ray
 from colossal_rl.metrics import MetricsLogger
 from colossal_rl.profiling import PhaseRecorder
-from colossal_rl.run_checkpoints import on_disk as ckpt
 from colossal_rl.run_outputs import prepare_eval_dir, write_failed_marker
 from colossal_rl.startup import process_started_at
 
@@ -106,10 +106,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     with startup.record("inputs"):
         config = resolve(config).validate()  # the derived fields: as the command line makes them
         rows_in_source = check_inputs(config).train_rows
-        stream = config.schedule.mode == "stream"
-        # an upper bound, checked before Ray starts
-        rounds = 0 if stream else total_rounds(config, rows_in_source)
-        steps = stream_total_steps(config, rows_in_source) if stream else 0
+        plan = plan_schedule(config, rows_in_source)  # an upper bound, checked before Ray starts
         resume_from, config = checkpoint_to_resume(config)  # --precision auto: the checkpoint's
         if config.run.eval_save_dir:
             prepare_eval_dir(
@@ -128,26 +125,13 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
         (run_dir / CONFIG_FILE).write_text(config_to_yaml(config), encoding="utf-8")  # --config takes it back
         with startup.record("metrics"):
             metrics = MetricsLogger(run_dir, config.run.project, dataclasses.asdict(config), use_wandb=use_wandb)
-        if stream:
-            logger.info("run directory: %s (stream schedule: %d optimizer steps)", run_dir, steps)
-        else:
-            logger.info(
-                "run directory: %s (%d rounds, %d optimizer steps per round)",
-                run_dir, rounds, config.optimizer_steps_per_round,
-            )  # fmt: skip
+        logger.info("run directory: %s (%s)", run_dir, plan.describe(config))
         driver = Driver(config, run_dir, metrics, startup)
         driver.start(resume_from)
-        if stream:
-            steps = stream_total_steps(config, driver.train_rows)  # over-long prompts were left out
-            resumed = None if resume_from is None else ckpt.load_state(resume_from).stream_schedule
-            if resume_from is not None and resumed is None:
-                raise ckpt.CheckpointError(f"{resume_from}: not a --schedule stream checkpoint")
-            before, after = StreamLoop(driver, steps, resumed).run()
-        else:
-            if driver.train_rows != rows_in_source:  # over-long prompts were left out by the producers
-                rounds = total_rounds(config, driver.train_rows)
-                logger.info("%d training prompts fit -mpt: %d rounds", driver.train_rows, rounds)
-            before, after = driver.run(rounds)
+        scheduler, plan = make_scheduler(config, driver.train_rows)  # over-long prompts were left out
+        if driver.train_rows != rows_in_source:
+            logger.info("%d training prompts fit -mpt: %s", driver.train_rows, plan.describe(config))
+        before, after = ScheduleLoop(driver, scheduler, plan.total_steps, driver.resumed_schedule).run()
     except BaseException as error:  # Ctrl-C included: the run directory tells it did not finish
         write_failed_marker(run_dir, error)
         raise
@@ -163,7 +147,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     return RunSummary(
         run_dir=str(run_dir),
         steps=driver.step,
-        rounds=rounds,
+        rounds=plan.rounds,
         wall_time_s=time.perf_counter() - started,
         eval_accuracy_before=before,
         eval_accuracy_after=after,

@@ -1,8 +1,8 @@
-"""Saving a whole run from the driver, and putting it back: trainer shards, the buffer, rollouts in flight.
+"""Saving a whole run from the driver, and putting it back: trainer shards, the schedule, rollouts not trained.
 
 The on-disk layout and atomic commit are :mod:`colossal_rl.run_checkpoints.on_disk`'s; this module gathers what
-goes in (every trainer rank writes its shards, the buffer's snapshot, the rollouts already asked for) and
-hands it back on resume. The driver's counters travel as one :class:`RunProgress`.
+goes in (every trainer rank writes its shards; the schedule loop hands the scheduler's snapshot and the rollouts
+of the groups waiting) and hands it back on resume. The driver's counters travel as one :class:`RunProgress`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 import ray
 
 from colossal_rl.config import ConfigError, RLConfig
-from colossal_rl.driver.actor_groups import ProducerGroup, TrainerGroup
-from colossal_rl.driver.calls import ActorId, Call, Calls, gather
+from colossal_rl.driver.actor_groups import TrainerGroup
+from colossal_rl.driver.calls import gather
 from colossal_rl.run_checkpoints import on_disk as ckpt
-from colossal_rl.run_checkpoints.on_disk import RunProgress
+from colossal_rl.run_checkpoints.on_disk import RunProgress, SavedChunk
 
 logger = logging.getLogger(__name__)
 
@@ -38,51 +38,38 @@ def save_run(
     config: RLConfig,
     progress: RunProgress,
     trainers: TrainerGroup,
-    buffer,
-    produced_metrics: dict[int, list[dict]],
+    schedule: dict,
+    chunks: dict[int, SavedChunk],
     timeout_s: float,
-    stream_schedule: dict | None = None,
 ) -> Path:
-    """Everything a resume needs, after a round: trainer state, rollouts not trained yet, the counters.
-
-    ``produced_metrics``: per round generated and not trained yet, each producer's rollout metrics (the driver waited
-    for those rounds first: ``PendingCalls.settle``); their rollouts are in the buffer's snapshot.
-    ``stream_schedule``: with ``--schedule stream``, the streaming scheduler's snapshot (after a step)."""
+    """Everything a resume needs, after a training order: trainer state, the scheduler's snapshot (``schedule``),
+    the rollouts of the groups delivered and not trained (``chunks``, by chunk id), the counters."""
     staging = ckpt.staging_dir(checkpoints_dir(run_dir), progress.step)
-    pending_metrics = {str(r): metrics for r, metrics in produced_metrics.items()}
-    snapshot = ray.get(buffer.snapshot.remote(), timeout=timeout_s)
-    snapshot = snapshot.with_payloads(lambda ref: ray.get(ref, timeout=timeout_s))
     gather(trainers.save_checkpoint(str(staging)), timeout_s)
     state = ckpt.RunState(
-        progress=dataclasses.replace(progress),
-        run_dir=str(run_dir),
-        config=config_as_json(config),
-        pending_rollout_metrics=pending_metrics,
-        stream_schedule=stream_schedule,
+        progress=dataclasses.replace(progress), run_dir=str(run_dir), config=config_as_json(config), schedule=schedule
     )
-    final = ckpt.commit(staging, state, snapshot)
+    final = ckpt.commit(staging, state, chunks)
     ckpt.prune(checkpoints_dir(run_dir), config.run.save_limit)
     return final
 
 
-def restore_run(
-    checkpoint: Path, *, trainers: TrainerGroup, buffer, timeout_s: float
-) -> tuple[RunProgress, dict[int, Calls]]:
-    """Load ``checkpoint`` into the trainers and the buffer; returns the counters and, per round generated but
-    not trained when it was saved, each producer's rollout metrics (as already-finished calls)."""
+def restore_run(checkpoint: Path, *, trainers: TrainerGroup, timeout_s: float) -> tuple[RunProgress, dict, dict]:
+    """Load ``checkpoint`` into the trainers; returns the counters, the scheduler's snapshot and, by chunk id, the
+    saved chunks' rollouts (``ChunkResult``s whose payloads are back in the object store)."""
+    from colossal_rl.driver.actor_messages import ChunkResult
+
     state = ckpt.load_state(checkpoint)
     progress = state.progress
     steps = gather(trainers.load_checkpoint(str(checkpoint), progress.policy_version), timeout_s)
     if any(step != progress.step for step in steps):
         raise ckpt.CheckpointError(f"{checkpoint}: trainer steps {steps} disagree with the run state ({progress.step})")
-    snapshot = ckpt.load_buffer(checkpoint).with_payloads(ray.put)
-    ray.get(buffer.restore.remote(snapshot), timeout=timeout_s)
-    pending = {
-        int(r): [Call(ActorId(ProducerGroup.kind, rank), "restored", ray.put(m)) for rank, m in enumerate(metrics)]
-        for r, metrics in state.pending_rollout_metrics.items()
+    chunks = {
+        chunk_id: ChunkResult(chunk_id, saved.producer_rank, ray.put(saved.payload), tuple(saved.batch_rows), (), {})
+        for chunk_id, saved in ckpt.load_chunks(checkpoint).items()
     }
-    logger.info("resumed from %s at step %d (round %d)", checkpoint, progress.step, progress.next_round)
-    return progress, pending
+    logger.info("resumed from %s at step %d (weights version %d)", checkpoint, progress.step, progress.policy_version)
+    return progress, state.schedule, chunks
 
 
 def checkpoint_to_resume(config: RLConfig) -> tuple[Path | None, RLConfig]:

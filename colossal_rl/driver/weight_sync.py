@@ -1,5 +1,5 @@
 """Who syncs when, in one place: :class:`SyncOrchestrator` brings producers to a policy version by the route that
-fits, for every caller (the round loop, the stream loop, a resume, a producer restart).
+fits, for every caller (the schedule loop under either schedule, a resume, a producer restart).
 
 Two routes. Every producer: the trainers push the version over the sync group (``--weight-sync-mode``: a
 broadcast group, a shared-memory region or sync files, one per pipeline stage) and every producer receives it; the

@@ -37,7 +37,6 @@ from colossal_rl.rollout.backend_factory import create_backend
 from colossal_rl.rollout.eval_result import EvalResult, mean_and_pass_at_k
 from colossal_rl.rollout.postprocess import postprocess_rollout
 from colossal_rl.schedule.events import FinishedGroup
-from colossal_rl.schedule.prompts import EpisodeSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +95,6 @@ class Producer:
                 task: load_prompt_dataset(path, self.tokenizer, system_prompt, max_prompt, keys, images)
                 for task, path in config.data.eval_paths
             }
-        self.schedule = EpisodeSchedule(
-            num_rows=len(self.train_data),
-            num_producers=config.schedule.num_producers,
-            prompts_per_producer=config.schedule.inference_batch_size,
-            seed=config.data.seed,
-        )
         self._infra_errors = 0
         self._scored = 0
         self.phases = PhaseRecorder(enabled=config.run.enable_profiling)
@@ -190,18 +183,17 @@ class Producer:
     def _eval_sampling(self) -> SamplingSettings:
         return eval_sampling(self.config.generation)
 
-    def produce(self, round_index: int) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """Generate, score and post-process this producer's prompts of ``round_index``."""
-        batch, metrics, _ = self._rollout(self.schedule.rows_for(round_index, self.rank), seed_index=round_index)
-        return batch, metrics
-
-    def produce_chunk(self, chunk_id: int, rows: list[int], min_version: int = 0) -> ChunkRollout:
-        """Generate, score and post-process rows ``rows`` (one streaming chunk): the kept groups' batch and what
+    def produce_chunk(
+        self, chunk_id: int, rows: list[int], min_version: int = 0, *, seed_index: int | None = None
+    ) -> ChunkRollout:
+        """Generate, score and post-process rows ``rows`` (one chunk, of either schedule; sampling seeded by
+        ``seed_index``, None: ``chunk_id``): the kept groups' batch and what
         the schedule needs of every group (``schedule/events.py``'s ``FinishedGroup``: row, the policy version it
         started with, its token cost, kept or filtered by dynamic sampling). With continuous batching the rows
         join the shared engine once it holds ``min_version`` (the chunk's order says which), and calls may run
         concurrently; without, calls run in order and the version is whatever the producer holds."""
-        batch, metrics, versions = self._rollout(list(rows), seed_index=chunk_id, min_version=min_version)
+        seed_index = chunk_id if seed_index is None else seed_index
+        batch, metrics, versions = self._rollout(list(rows), seed_index=seed_index, min_version=min_version)
         kept_rows = tuple(batch.data_indices) if batch is not None else ()
         shared_prompt = self.config.sequence_layout == "shared_prompt"
         costs = (

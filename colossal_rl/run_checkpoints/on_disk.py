@@ -5,16 +5,15 @@ A checkpoint is a directory ``<run_dir>/checkpoints/step_<N>/`` holding
     state.json   the driver's counters (:class:`RunState`) and the full run config
     trainer/     model and optimizer shards, LR scheduler and RNG state of every trainer rank
     hf/          a Hugging Face export (safetensors + config + tokenizer) of the policy
-    buffer.pt    rollouts generated but not trained yet, and groups carried over between rounds
+    chunks.pt    the rollouts of every group delivered and not trained yet, by chunk (:class:`SavedChunk`)
     manifest.json  every other file's size and sha256, written last: resume verifies it before loading
 
 Everything is written into ``.step_<N>.tmp`` first and renamed when complete, so a run killed
 mid-save leaves the previous checkpoint intact and never a half one. A file damaged afterwards (a
-truncated shard, a disk error) is named by :func:`verify` before anything is loaded. Data positions need no
-saving: which rows a producer generates in round ``r`` is a pure function of (seed, episode,
-round, producer) (see ``schedule/prompts.EpisodeSchedule``), and sampling is reseeded per (round, producer),
-so the next round index is the sampler position of every producer at once. With several nodes,
-``--save-dir`` must be on a filesystem every trainer node can write.
+truncated shard, a disk error) is named by :func:`verify` before anything is loaded. Data positions are the
+scheduler's snapshot (in ``state.json``): which rows a chunk holds is a function of (seed, episode, position),
+and sampling is reseeded per chunk. With several nodes, ``--save-dir`` must be on a filesystem every trainer
+node can write.
 """
 
 from __future__ import annotations
@@ -23,17 +22,16 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from colossal_rl.comm.buffer import BufferSnapshot
-
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
-BUFFER_FILE = "buffer.pt"
+CHUNKS_FILE = "chunks.pt"
 TRAINER_DIR = "trainer"
 EXPORT_DIR = "hf"
 MANIFEST_FILE = "manifest.json"
@@ -61,7 +59,7 @@ RESUME_INVARIANT_FIELDS = (
     "schedule.num_producers",
     "schedule.inference_batch_size",
     "schedule.n_behind",
-    "schedule.mode",  # a stream checkpoint holds the streaming schedule's state, a round one the buffer's
+    "schedule.mode",  # the scheduler's snapshot is of one schedule
     "run.seed",
 )
 
@@ -76,8 +74,6 @@ class RunProgress:
 
     step: int = 0
     """Optimizer steps taken (every trainer rank took exactly this many)."""
-    next_round: int = 0
-    """First round not trained yet: also every producer's sampler position."""
     policy_version: int = 0
     """Weights version the trainers hold and last pushed to the producers."""
     dropped_stale_groups: int = 0
@@ -87,40 +83,46 @@ class RunProgress:
 
 
 @dataclass(frozen=True)
+class SavedChunk:
+    """A chunk's rollouts in a checkpoint: its kept groups' batch (``comm/wire.py`` bytes) and their rows."""
+
+    payload: bytes
+    batch_rows: tuple[int, ...]
+    producer_rank: int
+
+
+@dataclass(frozen=True)
 class RunState:
-    """What ``state.json`` holds: the counters, and what a resume checks and re-queues besides the trainer
-    state and the buffer."""
+    """What ``state.json`` holds: the counters, the scheduler's snapshot, and the config a resume checks."""
 
     progress: RunProgress
     run_dir: str
     config: dict[str, Any] = field(default_factory=dict)
-    pending_rollout_metrics: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    """Per round generated but not trained yet: each producer's rollout metrics (logged when trained)."""
-    stream_schedule: dict[str, Any] | None = None
-    """``--schedule stream``: the ``StreamingScheduler``'s snapshot (None for the round schedule)."""
+    schedule: dict[str, Any] = field(default_factory=dict)
+    """The scheduler's snapshot (``schedule/rounds.py`` or ``schedule/streaming.py``)."""
 
     @property
     def step(self) -> int:
         return self.progress.step
 
     def to_json(self) -> dict[str, Any]:
-        """Flat, as every earlier ``state.json``: the counters beside the other keys."""
+        """Flat: the counters beside the other keys."""
         progress = asdict(self.progress)
         progress["eval_accuracy_before"] = progress["eval_accuracy_before"] or {}
-        stream = {} if self.stream_schedule is None else {"stream_schedule": self.stream_schedule}
-        return {**progress, "run_dir": self.run_dir, "config": self.config,
-                "pending_rollout_metrics": self.pending_rollout_metrics, **stream}  # fmt: skip
+        return {**progress, "run_dir": self.run_dir, "config": self.config, "schedule": self.schedule}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunState:
+        if "schedule" not in data:
+            raise KeyError(
+                "no 'schedule' (a checkpoint of an earlier colossal-rl, with a buffer.pt: resume it with that version)"
+            )
         counters = {f.name for f in fields(RunProgress)}
-        unknown = set(data) - counters - {"run_dir", "config", "pending_rollout_metrics", "stream_schedule"}
+        unknown = set(data) - counters - {"run_dir", "config", "schedule"}
         if unknown:
             raise TypeError(f"unknown keys {sorted(unknown)}")
         progress = RunProgress(**{key: value for key, value in data.items() if key in counters})
-        return cls(progress=progress, run_dir=data["run_dir"], config=data.get("config", {}),
-                   pending_rollout_metrics=data.get("pending_rollout_metrics", {}),
-                   stream_schedule=data.get("stream_schedule"))  # fmt: skip
+        return cls(progress=progress, run_dir=data["run_dir"], config=data.get("config", {}), schedule=data["schedule"])
 
 
 def checkpoint_name(step: int) -> str:
@@ -136,11 +138,11 @@ def staging_dir(checkpoints_dir: Path, step: int) -> Path:
     return staging
 
 
-def commit(staging: Path, state: RunState, buffer: BufferSnapshot) -> Path:
+def commit(staging: Path, state: RunState, chunks: dict[int, SavedChunk]) -> Path:
     """Write the driver's files into ``staging`` and rename it to its final name; returns the final path."""
     import torch  # here, not at import: the driver imports torch only when it checkpoints
 
-    torch.save(buffer, staging / BUFFER_FILE)
+    torch.save({chunk_id: asdict(chunk) for chunk_id, chunk in chunks.items()}, staging / CHUNKS_FILE)
     (staging / STATE_FILE).write_text(json.dumps(state.to_json(), indent=1, sort_keys=True), encoding="utf-8")
     write_manifest(staging)  # last: it describes every file above and the trainers' shards
     final = staging.parent / checkpoint_name(state.step)
@@ -290,14 +292,15 @@ def load_state(checkpoint: Path) -> RunState:
         raise CheckpointError(f"{path}: unreadable run state ({error})") from None
 
 
-def load_buffer(checkpoint: Path) -> BufferSnapshot:
-    path = Path(checkpoint) / BUFFER_FILE
+def load_chunks(checkpoint: Path) -> dict[int, SavedChunk]:
+    path = Path(checkpoint) / CHUNKS_FILE
     try:
         import torch
 
-        return torch.load(path, weights_only=False)  # our own file: rollout batches are dataclasses
-    except (OSError, RuntimeError, EOFError) as error:
-        raise CheckpointError(f"{path}: unreadable buffer snapshot ({error})") from None
+        saved = torch.load(path, weights_only=True)  # ints, bytes, tuples: nothing to unpickle
+        return {int(chunk_id): SavedChunk(**fields) for chunk_id, fields in saved.items()}
+    except (OSError, RuntimeError, EOFError, TypeError, AttributeError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"{path}: unreadable rollouts of the chunks not trained ({error})") from None
 
 
 def _lookup(config: dict[str, Any], dotted: str, missing: Any = None) -> Any:

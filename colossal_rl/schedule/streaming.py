@@ -28,7 +28,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from colossal_rl.schedule.events import ChunkOrder, FinishedGroup, StepOrder, TrainGroup, require_setting
+from colossal_rl.schedule.events import (
+    ChunkOrder,
+    FinishedGroup,
+    StepOrder,
+    TrainGroup,
+    group_fields,
+    require_setting,
+)
 from colossal_rl.schedule.prompts import EpochOrder, EpochRows
 
 SNAPSHOT_FORMAT = 1
@@ -114,6 +121,9 @@ class _Flight:
 class StreamingScheduler:
     """Decides what producers generate, what the next optimizer step trains and when weights are synced."""
 
+    settles_before_snapshot = False
+    """A checkpoint does not wait for chunks in flight: on resume their rows are handed out again."""
+
     def __init__(self, settings: StreamingSettings, epoch_rows: EpochRows):
         self.settings = settings
         self.prompts = EpochOrder(epoch_rows, settings.num_episodes)
@@ -134,6 +144,10 @@ class StreamingScheduler:
         return self._steps_done
 
     @property
+    def trainer_version(self) -> int:
+        return self._steps_done
+
+    @property
     def steps_per_version(self) -> int:
         """Optimizer steps between consecutive versions."""
         return 1
@@ -147,6 +161,10 @@ class StreamingScheduler:
 
     def groups_waiting(self) -> int:
         return len(self._waiting)
+
+    def waiting_groups(self) -> list[TrainGroup]:
+        """Kept groups not trained yet that may still be (not too stale): their chunks' rollouts are kept."""
+        return [group for group in self._waiting if self._usable(group)]
 
     def committed_groups(self) -> int:
         """Accepted (trained or waiting) plus in-flight groups: what the admission rule bounds."""
@@ -280,7 +298,8 @@ class StreamingScheduler:
 
     def chunk_lost(self, chunk_id: int) -> None:
         """A chunk's producer died before reporting (the rest of) it: its unreported rows leave flight and are
-        handed out again first (each still at most once per episode: they were never accepted)."""
+        handed out again first (each still at most once per episode: they were never accepted). Nothing is made
+        again as it was (None)."""
         flight = self._in_flight.pop(chunk_id, None)
         if flight is None:
             raise ValueError(f"chunk {chunk_id} is not in flight")
@@ -312,7 +331,7 @@ class StreamingScheduler:
             "format": SNAPSHOT_FORMAT,
             "prompts": self.prompts.snapshot(),
             "in_flight": [[f.order.episode, sorted(f.unreported)] for _, f in sorted(self._in_flight.items())],
-            "waiting": [list(astuple_group(group)) for group in self._waiting],
+            "waiting": [group_fields(group) for group in self._waiting],
             "steps_done": self._steps_done,
             "next_chunk_id": self._next_chunk_id,
             "next_arrival": self._next_arrival,
@@ -358,7 +377,3 @@ class StreamingScheduler:
             "schedule/groups_waiting": float(len(self._waiting)),
             "schedule/staleness_mean": lag_sum / trained if trained else 0.0,
         }
-
-
-def astuple_group(group: TrainGroup) -> tuple:
-    return (group.chunk_id, group.episode, group.row, group.policy_version, group.tokens, group.arrival)

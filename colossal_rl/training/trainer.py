@@ -278,13 +278,14 @@ class Trainer:
             self.plugin, self.config.parallel.pp_size, self.micro_forward, self.booster, self.optimizer, self.dp_size
         )
 
-    # ------------------------------------------------------------------ rounds
+    # ------------------------------------------------------------------ training orders
     def train_epochs(self, steps: list[RolloutBatch], round_index: int) -> list[tuple[dict[str, float], RolloutBatch]]:
-        """Every optimizer step of one round, ``train.ppo_epochs`` passes over the round's ``steps``: (metrics,
-        the samples trained) per optimizer step, in order. (``TrainerActor.train_round`` takes the round's
-        samples from the buffer and calls this.)
+        """Every optimizer step of one training order (a round, or one streaming step), ``train.ppo_epochs`` passes
+        over its ``steps``: (metrics, the samples trained) per optimizer step, in order. ``round_index``: the
+        epochs' shuffle seed (the trainers' version). (``TrainerActor.train_steps`` fetches the samples and calls
+        this.)
 
-        Collective: every rank of the consumers calls it with its own share of the round.
+        Collective: every rank of the consumers calls it with its own share of the order.
         """
         self.model.train()  # pi_old's forward in the mode of the training forwards (dropout, if any)
         with self.phases.record("old_logprobs"):

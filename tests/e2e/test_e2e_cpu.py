@@ -56,11 +56,17 @@ def small_config(tmp_path: Path) -> RLConfig:
     ).validate()
 
 
-def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
+def test_driver_syncs_weights_and_trains_rounds_ordered_ahead(tmp_path):
     import ray
 
+    from colossal_rl.comm.buffer import GroupRef
+    from colossal_rl.driver.calls import gather
     from colossal_rl.driver.launch import init_ray, make_run_dir
     from colossal_rl.driver.run import Driver
+    from colossal_rl.driver.schedule_loop import ScheduleLoop
+    from colossal_rl.driver.schedules import planned_steps, round_settings
+    from colossal_rl.schedule.prompts import episode_rows
+    from colossal_rl.schedule.rounds import RoundScheduler
 
     config = small_config(tmp_path)
     assert config.steps_per_round == 2
@@ -71,8 +77,12 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     try:
         driver.start()
         initial = ray.get(driver.producers[0].named_weights.remote())
-        driver.run(rounds=3)  # as total_rounds leaves it under dynamic sampling: --max-steps 4 (2 rounds) stops it
-        assert driver.step == 4
+        # 3 rounds, as total_rounds leaves them under dynamic sampling: --max-steps 4 (2 rounds) stops the run
+        rows = episode_rows(driver.train_rows, driver.config.data.seed)
+        scheduler = RoundScheduler(round_settings(driver.config, 3), rows)
+        loop = ScheduleLoop(driver, scheduler, planned_steps(driver.config, 3))
+        loop.run()
+        assert driver.step == 4 and scheduler.rounds_trained == 2
         trainer_weights = ray.get(driver.trainers[0].full_state_dict.remote())
         for producer in driver.producers:
             producer_weights = ray.get(producer.named_weights.remote())
@@ -87,14 +97,27 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
         for name, tensor in trainer_weights.items():
             assert torch.equal(exported[name], tensor), name
 
-        # The driver had ordered round 2 (n_behind = 1 ahead) and left it untrained; trained here by hand, then a
-        # round whose batches were sampled 3 versions ago (n_behind = 1) is dropped, not trained on.
-        ray.get([t.train_round.remote(2, driver.buffer) for t in driver.trainers], timeout=120)
-        for rank in range(2):
-            ray.get(driver.buffer.put.remote(3, rank, [], 8, 0))
-        results = ray.get([t.train_round.remote(3, driver.buffer) for t in driver.trainers], timeout=60)
-        assert all(r.steps == [] for r in results)
-        assert results[0].dropped_stale_groups == 16
+        # The loop had ordered round 2 (n_behind = 1 ahead, with version 1) and left it untrained: its chunks (ids
+        # 4 and 5, one per producer) are delivered or still in flight. Their rollouts, in objects the buffer actor
+        # owns, outlive the loop: trained here by hand as the loop orders a round, one train_steps call of 2 steps.
+        ahead = dict(loop.chunks)
+        for item in [item for item in loop.waiting if item.kind == "chunk"]:
+            (ahead[item.subject.chunk_id],) = gather(item.calls, driver.timeout)
+        assert sorted(ahead) == [4, 5]
+        groups = [
+            GroupRef(chunk.payload, chunk.batch_rows.index(group.row), group.policy_version, chunk_id, group.tokens)
+            for chunk_id, chunk in sorted(ahead.items())
+            for group in chunk.groups
+            if group.kept
+        ]
+        assert len(groups) == 16 and {group.policy_version for group in groups} == {1}
+        shares = [[step[:4], step[4:]] for step in (groups[:8], groups[8:])]  # 2 steps of 4 groups per dp rank
+        trained = gather(driver.trainers.train_steps(4, 2, shares, None), 120)
+        assert [[result.step for result in steps] for steps in trained] == [[4, 5], [4, 5]]
+        for steps in trained:
+            assert all(result.metrics["train/staleness"] == 1.0 for result in steps)  # version 2 trains version 1
+            assert all(math.isfinite(result.metrics["train/loss"]) for result in steps)
+        assert trained[0][0].data_indices != trained[1][0].data_indices, "each dp rank trains its own share"
     finally:
         driver.shutdown()
         metrics.close()
@@ -103,7 +126,7 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     records = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
-    # Warm-up over 2 steps, then cosine from lr to 0.1 lr at the run's last step (the driver's 2 rounds x 2).
+    # Warm-up over 2 steps, then cosine from lr to 0.1 lr at the run's last step (the loop's 2 rounds x 2).
     assert [r["train/lr"] for r in train] == pytest.approx([1e-4, 2e-4, 2e-4, 2e-5])
     # Two sampled responses per eval prompt: accuracy is their mean, pass@2 the prompts with one correct.
     evals = [r for r in records if r["kind"] == "eval"]
@@ -114,12 +137,15 @@ def test_driver_syncs_weights_and_drops_stale_batches(tmp_path):
     assert len({g["index"] for g in generations}) * 2 == len(generations)
     assert all(math.isfinite(r["train/loss"]) for r in train)
     assert all(0.0 <= r["train/reward"] <= 1.0 for r in train)
-    # The producers report group token costs and the buffer deals by them: the two ranks' tokens stay close.
+    # The producers report group token costs and the loop deals each step by them: the two ranks' tokens stay close.
     assert all(1.0 <= r["train/dp_token_imbalance"] < 1.25 for r in train), [
         r["train/dp_token_imbalance"] for r in train
     ]
-    versions = [r["rollout/policy_version"] for r in records if r["kind"] == "rollout"]
-    assert versions == [0, 0, 0, 0]  # rounds 0 and 1 are sampled before the first sync (n_behind = 1)
+    versions = {r["schedule/chunk"]: r["rollout/policy_version"] for r in records if r["kind"] == "rollout"}
+    # rounds 0 and 1 (chunks 0-3) are sampled before the first sync (n_behind = 1); round 2's chunks, ordered with
+    # version 1, are logged only if they arrived before the run ended
+    assert {chunk: v for chunk, v in versions.items() if chunk < 4} == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert all(v == 1 for chunk, v in versions.items() if chunk >= 4), versions
     staleness = [r["train/staleness"] for r in train]
     assert staleness == [0.0, 0.0, 1.0, 1.0]
 

@@ -1,12 +1,11 @@
-"""Every --algo preset trains on the embedded model through the real producer, round buffer and trainer, and trains as
-itself — in this process, one preset after another (no actors to start per preset).
+"""Every --algo preset trains on the embedded model through the real producer, round schedule and trainer, and trains
+as itself — in this process, one preset after another (no actors to start per preset).
 
-The pieces are the ones a run's actors hold: ``Producer`` (transformers backend, the preset's scoring and
-post-processing), ``RoundBuffer`` (DAPO's short rounds carried over) and ``Trainer`` (world size 1 over gloo), driven
-by the driver's round schedule with ``n_behind`` 1: rounds 0 and 1 are generated with version 0, round ``r`` is
-trained, its weights go to the producer as version ``r + 1``, then round ``r + 2`` is generated. What Ray adds (the
-actors, the object store, the weight-sync group) is the same for every preset and runs end to end in the other
-modules here.
+The pieces are the ones a run holds: ``Producer`` (transformers backend, the preset's scoring and post-processing),
+``RoundScheduler`` (the driver's round schedule; DAPO's short rounds carried over) and ``Trainer`` (world size 1 over
+gloo), with ``n_behind`` 1: rounds 0 and 1 are generated with version 0, round ``r`` is trained, its weights go to
+the producer as version ``r + 1``, then round ``r + 2`` is generated. What Ray adds (the actors, the object store,
+the weight-sync group) is the same for every preset and runs end to end in the other modules here.
 
 Each run has two optimizer steps per round (8 prompts sampled, 4 per step), so the second step of every round trains
 with pi_old = the round's starting policy and a ratio != 1: that is where the presets' losses differ (at ratio 1
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import GenerationConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
 from colossal_rl.config_resolve import resolve
 from colossal_rl.presets import PRESETS, algorithm_preset
@@ -54,46 +54,61 @@ def preset_config(name: str, save_dir: str) -> RLConfig:
 
 def train_preset(config: RLConfig, scorer) -> list[dict]:
     """Rounds until ``REQUESTED_STEPS`` optimizer steps are trained (at most ``MAX_ROUNDS``); each step's metrics.
-    ``scorer``: the math reward scorer, shared (its worker process starts once, not once per preset)."""
+    ``scorer``: the math reward scorer, shared (its worker process starts once, not once per preset).
+
+    The round schedule's decisions are the run's own (``RoundScheduler`` with the driver's settings); they are
+    carried out here one after another, as ``driver/schedule_loop.py`` does on the actors: the due sync, the
+    admitted chunks, then the round's steps."""
+    import dataclasses
+
     from trainer_harness import make_trainer
 
     from colossal_rl.batch import concat_batches
-    from colossal_rl.comm.buffer import RoundBuffer
+    from colossal_rl.driver.schedules import round_settings
     from colossal_rl.rollout.producer import Producer
+    from colossal_rl.schedule.prompts import episode_rows
+    from colossal_rl.schedule.rounds import RoundScheduler
 
     config = resolve(config)  # as run_training gives it
-    n_behind = config.schedule.n_behind
     producer = Producer(0, config, scorer)
     trainer = make_trainer(config)
     trainer.set_total_steps(REQUESTED_STEPS)  # the LR schedule's end, as the driver sets it for ROUNDS rounds
-    buffer = RoundBuffer(num_producers=1, dp_size=1, groups_per_step=config.train.batch_size, n_behind=n_behind)
+    settings = dataclasses.replace(round_settings(config, MAX_ROUNDS), max_steps=REQUESTED_STEPS)
+    scheduler = RoundScheduler(settings, episode_rows(len(producer.train_data), config.data.seed))
+    batches = {}  # chunk id -> its kept groups' batch
 
-    def produce(round_index: int) -> None:
-        batch, _ = producer.produce(round_index)
-        groups = 0 if batch is None else batch.num_groups
-        buffer.put(round_index, 0, batch, groups, producer.policy_version)
+    def step_batch(groups) -> RolloutBatch:
+        """A step's groups cut out of their chunks' batches, by row, and joined in order."""
+        parts = []
+        for group in groups:
+            batch = batches[group.chunk_id]
+            parts.append(batch.select_groups([batch.data_indices.index(group.row)]))
+        return concat_batches(parts, trainer.pad_token_id)
 
     records: list[dict] = []
-    for round_index in range(n_behind + 1):
-        produce(round_index)
-    for round_index in range(MAX_ROUNDS):
-        assignment = buffer.take(round_index, 0, trainer.policy_version)
-        per_step = config.train.batch_size
-        steps = [
-            concat_batches(
-                [g.payload.select_groups([g.group_index]) for g in assignment.groups[s : s + per_step]],
-                trainer.pad_token_id,
-            )
-            for s in range(0, assignment.num_steps * per_step, per_step)
-        ]
-        for metrics, batch in trainer.train_epochs(steps, round_index):
-            records.append(metrics | {"train/reward": float(batch.rewards.mean())})
-        trainer.policy_version = round_index + 1
-        producer.load_weights(round_index + 1, trainer.stage_state_dict())
-        if len(records) >= REQUESTED_STEPS and round_index + 1 >= ROUNDS:
+    for _ in range(4 * MAX_ROUNDS):  # every pass makes progress: a sync, chunks or a round's steps
+        if scheduler.finished:
             break
-        if round_index + 1 + n_behind < MAX_ROUNDS:
-            produce(round_index + 1 + n_behind)
+        version = scheduler.sync_due()
+        if version is not None:
+            producer.load_weights(version, trainer.stage_state_dict())
+            scheduler.sync_ordered(version)
+        for chunk_order in scheduler.admit():
+            assert chunk_order.policy_version == producer.policy_version  # round r generated with max(0, r - 1)
+            chunk = producer.produce_chunk(
+                chunk_order.chunk_id, list(chunk_order.rows), seed_index=chunk_order.sampling_seed_index
+            )
+            batches[chunk_order.chunk_id] = chunk.batch
+            scheduler.chunk_done(chunk_order.chunk_id, list(chunk.groups))
+        order = scheduler.next_step()
+        if order is None:
+            continue
+        trainer.policy_version = order.trainer_version
+        steps = [step_batch(groups) for groups in order.step_groups()]
+        for metrics, batch in trainer.train_epochs(steps, order.trainer_version):
+            records.append(metrics | {"train/reward": float(batch.rewards.mean())})
+        scheduler.step_done()
+    assert scheduler.finished, "the round schedule did not end"
     return records
 
 

@@ -43,7 +43,7 @@ def run_stream(tmp_path: Path, *flags: str) -> tuple[str, list[dict]]:
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert "colossal_rl.driver.stream_loop INFO stream schedule:" in output  # the streaming loop ran, not the rounds
+    assert "colossal_rl.driver.schedule_loop INFO stream schedule:" in output  # the streaming loop ran, not the rounds
     (run_dir,) = list(tmp_path.iterdir())
     return output, read_metrics(run_dir / "metrics.jsonl")
 

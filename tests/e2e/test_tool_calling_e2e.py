@@ -32,6 +32,8 @@ from test_lifecycle_e2e import Run, assert_resumed_alike, assert_trained_alike, 
 
 from colossal_rl.metrics import read_metrics
 from colossal_rl.plot import main as plot_main
+from colossal_rl.run_checkpoints import on_disk as ckpt
+from colossal_rl.schedule.events import TrainGroup
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -78,8 +80,10 @@ def undisturbed(tmp_path_factory) -> Path:
 
 def test_readme_calculator_command_raises_the_tool_call_rate(undisturbed, tmp_path):
     records = read_metrics(undisturbed / "metrics.jsonl")
-    rollouts = sorted((r["step"], r) for r in records if r["kind"] == "rollout")
-    assert [step for step, _ in rollouts] == list(range(STEPS))
+    # by chunk: a rollout record is logged when its chunk arrives, at whatever step the run is then; with 1 producer
+    # chunk r is round r's, trained at step r + 1
+    rollouts = sorted((r["schedule/chunk"], r) for r in records if r["kind"] == "rollout")
+    assert [chunk for chunk, _ in rollouts] == list(range(STEPS))
     rate = [r["rollout/tool_call_rate"] for _, r in rollouts]
     accuracy = [r["rollout/accuracy"] for _, r in rollouts]
     assert statistics.mean(rate[-2:]) >= statistics.mean(rate[:2]) + 0.08, rate  # measured +0.20
@@ -98,11 +102,12 @@ def test_readme_calculator_command_raises_the_tool_call_rate(undisturbed, tmp_pa
 
 
 def first_round_done(save_dir: Path) -> bool:
-    """Whether the run in ``save_dir`` logged its first round's end (step 1 trained, weights synced; its metrics'
-    complete lines): the driver then asks the producer for one more round at once, which takes it seconds."""
+    """Whether the run in ``save_dir`` logged its first round's end (step 1 trained, weights synced: the sync of
+    version 1 completed, logged at step 1; its metrics' complete lines): the driver asked the producer for one more
+    round behind that sync, which takes it seconds."""
     text = "".join(path.read_text() for path in save_dir.glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
-    return any(r["kind"] == "sync" and "time/round_s" in r for r in records)
+    return any(r["kind"] == "sync" and "time/sync_s" in r and r["step"] >= 1 for r in records)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +157,7 @@ def test_a_producer_killed_mid_episode_is_restarted_and_its_episodes_trained_as_
     assert_trained_alike(expected, got, range(1, CHECKPOINT + 1))
     trained = [i for s in range(1, CHECKPOINT + 1) for i in got[s]["train/data_indices"]]
     assert len(trained) == len(set(trained)), "a row was trained twice"
-    rollouts = [r for r in records if r["kind"] == "rollout" and r["step"] < CHECKPOINT]
+    rollouts = [r for r in records if r["kind"] == "rollout" and r["schedule/chunk"] < CHECKPOINT]
     assert all(r["rollout/environment_tokens"] > 0 for r in rollouts), "no tool results: not multi-turn episodes"
 
 
@@ -161,9 +166,14 @@ def test_a_driver_killed_after_a_checkpoint_resumes_mid_episode_as_undisturbed(u
     included); the resumed run starts after step CHECKPOINT, trains steps CHECKPOINT+1..STEPS alike to the
     undisturbed run, and each row is trained once across the two runs."""
     assert "resumed from" in killed_and_resumed["resumed_output"]
-    state = json.loads((killed_and_resumed["checkpoint"] / "state.json").read_text())
+    checkpoint = killed_and_resumed["checkpoint"]
+    state = json.loads((checkpoint / "state.json").read_text())
     assert state["step"] == CHECKPOINT
-    assert state["pending_rollout_metrics"], "no episodes generated but not trained at the checkpoint: a weak test"
+    waiting = [TrainGroup(*group) for _, _, groups in state["schedule"]["delivered"] for group in groups]
+    assert waiting, "no episodes generated but not trained at the checkpoint: a weak test"
+    saved = ckpt.load_chunks(checkpoint)
+    assert {group.chunk_id for group in waiting} <= set(saved), "the waiting groups' rollouts are not in chunks.pt"
+    assert all(group.row in saved[group.chunk_id].batch_rows for group in waiting)
     assert_resumed_alike(
         train_records(undisturbed), train_records(killed_and_resumed["killed"]),
         train_records(killed_and_resumed["resumed"]), checkpoint_step=CHECKPOINT, steps=STEPS,

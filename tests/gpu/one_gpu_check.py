@@ -298,9 +298,18 @@ def producer_config(config, dry_run: bool):
 
 
 def produce_round(producer, round_index: int, setting: Setting) -> dict:
+    from colossal_rl.schedule.prompts import EpisodeSchedule
+
     _progress(f"produce round {round_index}")
+    schedule = producer.config.schedule
+    plan = EpisodeSchedule(
+        len(producer.train_data), schedule.num_producers, schedule.inference_batch_size, producer.config.data.seed
+    )
+    # the producer's share of the round, its sampling seeded by the round, as the round schedule orders it
+    rows = plan.rows_for(round_index, producer.rank)
     started = time.perf_counter()
-    batch, metrics = producer.produce(round_index)
+    chunk = producer.produce_chunk(round_index * schedule.num_producers + producer.rank, rows, seed_index=round_index)
+    batch, metrics = chunk.batch, chunk.metrics
     seconds = time.perf_counter() - started
     responses = 0 if batch is None else int(batch.response_ids.shape[0])
     tokens = 0 if batch is None else int(batch.response_mask.sum())

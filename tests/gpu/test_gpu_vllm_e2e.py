@@ -54,7 +54,11 @@ def test_vllm_producer_holds_the_trainer_weights_after_an_nccl_sync(tmp_path):
 
     from colossal_rl.driver.launch import init_ray, make_run_dir
     from colossal_rl.driver.run import Driver
+    from colossal_rl.driver.schedule_loop import ScheduleLoop
+    from colossal_rl.driver.schedules import planned_steps, round_settings
     from colossal_rl.producer_env import ensure_producer_env
+    from colossal_rl.schedule.prompts import episode_rows
+    from colossal_rl.schedule.rounds import RoundScheduler
 
     ensure_producer_env("gpu")
     config = gpu_config(tmp_path)
@@ -68,7 +72,10 @@ def test_vllm_producer_holds_the_trainer_weights_after_an_nccl_sync(tmp_path):
         producer = driver.producers[0]
         initial = ray.get(producer.named_weights.remote())
 
-        driver.run(rounds=1)  # generate with vLLM, train 2 steps, sync version 1 over NCCL
+        resolved = driver.config
+        rows = episode_rows(driver.train_rows, resolved.data.seed)
+        scheduler = RoundScheduler(round_settings(resolved, 1), rows)
+        ScheduleLoop(driver, scheduler, planned_steps(resolved, 1)).run()  # vLLM generates, 2 steps, v1 over NCCL
 
         assert driver.step == 2
         trainer_weights = {n: t.cpu() for n, t in ray.get(driver.trainers[0].full_state_dict.remote()).items()}

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from colossal_rl.driver.actor_messages import ChunkResult
 from colossal_rl.driver.calls import ActorId, Call
 from colossal_rl.driver.weight_sync import SyncOrchestrator
+from colossal_rl.schedule.events import FinishedGroup
 
 
 class Ref:
@@ -49,11 +51,22 @@ class FakeTrainers(FakeGroup):
 
 
 class FakeProducers(FakeGroup):
-    def produce_chunk(self, rank, chunk_id, rows, buffer, min_version=0):
-        return [self._call(rank, "produce_chunk", (chunk_id, rows, min_version))]
+    def produce_chunk(self, order, buffer):
+        """Logs (chunk id, rows, version, seed index); its result, unless ``results["produce_chunk"]`` says
+        otherwise, is the chunk with every row kept (10 tokens a group) in payload ``"payload <chunk id>"``."""
+        args = (order.chunk_id, list(order.rows), order.policy_version, order.sampling_seed_index)
+        self.log.append((f"{self.kind} {order.producer_rank}", "produce_chunk", args))
+        make = self.results.get("produce_chunk", all_kept)
+        return [Call(ActorId(self.kind, order.producer_rank), "produce_chunk", Ref(make(order)))]
 
     def restore_weights(self, ranks, version, stage_weights):
         return [self._call(rank, "restore_weights", (version, stage_weights)) for rank in ranks]
+
+
+def all_kept(order) -> ChunkResult:
+    """A chunk's result with every row kept, each group 10 tokens, in payload ``"payload <chunk id>"``."""
+    groups = tuple(FinishedGroup(row, order.policy_version, 10) for row in order.rows)
+    return ChunkResult(order.chunk_id, order.producer_rank, f"payload {order.chunk_id}", order.rows, groups, {})
 
 
 def fake_sync(num_trainers: int = 2, num_producers: int = 2, mode: str = "broadcast"):

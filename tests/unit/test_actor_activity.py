@@ -58,12 +58,12 @@ def test_the_timeout_message_says_what_each_late_actor_is_doing():
     board.publish("producer 0", Activity("reward", label, since=1000.0))
     board.publish("trainer 0", Activity("wait", "", since=1002.0))
     late = [
-        Call(ActorId("trainer", 0), "train_round", ref=None),
+        Call(ActorId("trainer", 0), "train_steps", ref=None),
         Call(ActorId("producer", 0), "produce", ref=None),
         Call(ActorId("producer", 1), "produce", ref=None),  # published nothing (yet)
     ]
     assert late_message(late, 60, board, now=1060.4) == (
-        "no answer within 60s from: trainer 0 (train_round; now wait, for 58s), "
+        "no answer within 60s from: trainer 0 (train_steps; now wait, for 58s), "
         "producer 0 (produce; now reward, --reward-fn plugins/hang.py:score, for 60s), producer 1 (produce)"
     )
 

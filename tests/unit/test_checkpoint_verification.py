@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import RLConfig
 from colossal_rl.run_checkpoints import on_disk as ckpt
 from colossal_rl.run_outputs import FAILED_MARKER, write_failed_marker
@@ -30,7 +29,8 @@ FILES = {
     "hf/model.safetensors": b"h" * 5000,
     "hf/config.json": b'{"model_type": "qwen2"}',
 }
-EMPTY_BUFFER = BufferSnapshot(payloads=[], rounds={}, pool=[], last_dealt_round=1, dropped_stale_groups=0)
+# One chunk's rollouts not trained yet (the wire bytes of its kept groups' batch), as the schedule loop saves them.
+CHUNKS = {3: ckpt.SavedChunk(payload=b"w" * 600, batch_rows=(7, 9), producer_rank=1)}
 
 
 def save(checkpoints: Path, step: int, config: dict | None = None) -> Path:
@@ -38,8 +38,9 @@ def save(checkpoints: Path, step: int, config: dict | None = None) -> Path:
     for name, data in FILES.items():
         (staging / name).parent.mkdir(parents=True, exist_ok=True)
         (staging / name).write_bytes(data)
-    progress = ckpt.RunProgress(step=step, next_round=step, policy_version=step, eval_accuracy_before={})
-    return ckpt.commit(staging, ckpt.RunState(progress=progress, run_dir="run", config=config or {}), EMPTY_BUFFER)
+    progress = ckpt.RunProgress(step=step, policy_version=step, eval_accuracy_before={})
+    state = ckpt.RunState(progress=progress, run_dir="run", config=config or {}, schedule={"format": 1})
+    return ckpt.commit(staging, state, CHUNKS)
 
 
 def truncate(path: Path) -> None:
@@ -57,7 +58,7 @@ def one_line_error(checkpoint_arg: Path, **kwargs) -> str:
 def test_the_manifest_lists_every_file_and_a_whole_checkpoint_verifies(tmp_path):
     checkpoint = save(tmp_path / "checkpoints", 2)
     manifest = json.loads((checkpoint / ckpt.MANIFEST_FILE).read_text())
-    assert set(manifest) == set(FILES) | {ckpt.STATE_FILE, ckpt.BUFFER_FILE}
+    assert set(manifest) == set(FILES) | {ckpt.STATE_FILE, ckpt.CHUNKS_FILE}
     assert manifest["hf/model.safetensors"]["size"] == 5000
     assert ckpt.resolve(tmp_path) == checkpoint
 
@@ -70,7 +71,7 @@ def test_the_manifest_lists_every_file_and_a_whole_checkpoint_verifies(tmp_path)
         "trainer/lr_scheduler.pt",
         "trainer/model/pytorch_model.bin.index.json",
         "hf/model.safetensors",
-        ckpt.BUFFER_FILE,
+        ckpt.CHUNKS_FILE,
     ],
 )
 def test_a_truncated_file_is_named_before_anything_loads(tmp_path, name):
@@ -88,10 +89,10 @@ def flip_byte(path: Path, index: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name", [*FILES, ckpt.STATE_FILE, ckpt.BUFFER_FILE])
+@pytest.mark.parametrize("name", [*FILES, ckpt.STATE_FILE, ckpt.CHUNKS_FILE])
 def test_a_flip_is_caught_by_the_hash(tmp_path, name):
     """Every kind of file the manifest covers: shards, index files, scheduler and RNG state, the HF export, the
-    driver's state and the buffer."""
+    driver's state and the rollouts not trained."""
     checkpoint = save(tmp_path / "checkpoints", 2)
     size = (checkpoint / name).stat().st_size
     flip_byte(checkpoint / name, size // 2)
@@ -163,9 +164,9 @@ def test_cli_names_the_damaged_file_in_one_line_before_ray_starts(tmp_path, capl
 
 
 def test_failed_marker_holds_the_error(tmp_path):
-    path = write_failed_marker(tmp_path, RuntimeError("trainer 0 (train_round) died: boom"))
+    path = write_failed_marker(tmp_path, RuntimeError("trainer 0 (train_steps) died: boom"))
     assert path == tmp_path / FAILED_MARKER
-    assert path.read_text() == "RuntimeError: trainer 0 (train_round) died: boom\n"
+    assert path.read_text() == "RuntimeError: trainer 0 (train_steps) died: boom\n"
     assert [p.name for p in tmp_path.iterdir()] == [FAILED_MARKER], "no staging file left behind"
 
 

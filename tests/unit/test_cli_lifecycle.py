@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.run_checkpoints import on_disk as ckpt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,12 +54,12 @@ def test_resume_with_changed_batch_layout_is_refused_naming_the_fields(tmp_path,
     saved_config = config_for()
     staging = ckpt.staging_dir(tmp_path / "checkpoints", 4)
     state = ckpt.RunState(
-        progress=ckpt.RunProgress(step=4, next_round=4, policy_version=4, next_eval_step=20, eval_accuracy_before={}),
+        progress=ckpt.RunProgress(step=4, policy_version=4, next_eval_step=20, eval_accuracy_before={}),
         run_dir=str(tmp_path),
         config=json.loads(json.dumps(dataclasses.asdict(saved_config))),
+        schedule={"format": 1, "rounds_trained": 4, "next_round": 5},
     )  # fmt: skip
-    empty = BufferSnapshot(payloads=[], rounds={}, pool=[], last_dealt_round=3, dropped_stale_groups=0)
-    ckpt.commit(staging, state, empty)
+    ckpt.commit(staging, state, {})
     message = error_of_main(["-cp", str(tmp_path), "-ibs", "32", "-tbs", "32", "--no-wandb"], caplog)
     assert "step_000004" in message and "schedule.inference_batch_size: 16 -> 32" in message
 

@@ -1,8 +1,9 @@
 """The driver never imports torch: its start-up is the serial part of every run's start (issue 23).
 
-Checked in a fresh interpreter doing what the driver does: parse the default flags, check the inputs, count the
-rounds, import the launch and actor modules, and unpickle what producers really send it (metrics, an eval result,
-start-up spans and logged rollout samples, made here by a real producer on the embedded model).
+Checked in a fresh interpreter doing what the driver does: parse the default flags, check the inputs, make the
+scheduler and its plan (the rounds counted, the first chunks ordered), import the launch, loop and actor modules, and
+unpickle what producers really send it (a chunk's metrics and per-row facts, an eval result, start-up spans and
+logged rollout samples, made here by a real producer on the embedded model).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from colossal_rl.config_resolve import resolve
 from colossal_rl.driver.actors import rollout_samples
 from colossal_rl.reward import build_reward_scorer
 from colossal_rl.rollout.producer import Producer
+from colossal_rl.schedule.prompts import EpisodeSchedule
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,11 +30,16 @@ from colossal_rl.input_checks import check_inputs
 check_inputs(config)
 from colossal_rl.data_sources import load_prompt_rows
 from colossal_rl.driver.launch import run_training
-from colossal_rl.driver.run import Driver, total_rounds
+from colossal_rl.driver.run import Driver
+from colossal_rl.driver.schedule_loop import ScheduleLoop
+from colossal_rl.driver.schedules import make_scheduler
+from colossal_rl.schedule.rounds import RoundScheduler
 import colossal_rl.driver.actors, colossal_rl.startup
-assert total_rounds(config, len(load_prompt_rows(config.data.train_path))) > 0
+scheduler, plan = make_scheduler(config, len(load_prompt_rows(config.data.train_path)))
+assert plan.rounds > 0 and isinstance(scheduler, RoundScheduler)
 received = pickle.loads(sys.stdin.buffer.read())
 assert received["eval"][0].task == "math" and received["metrics"]["rollout/accuracy"] >= 0
+assert sorted(group.row for group in received["groups"]) == received["rows"]
 heavy = sorted(name for name in ("torch", "transformers", "colossalai", "numpy") if name in sys.modules)
 print("heavy modules:", heavy)
 sys.exit(1 if heavy else 0)
@@ -44,9 +51,13 @@ def test_the_driver_path_and_what_producers_send_it_need_no_torch():
     scorer = build_reward_scorer(reward_type=config.reward.reward_type)
     try:
         producer = Producer(0, config, scorer)
-        batch, metrics = producer.produce(0)
+        rows = EpisodeSchedule(len(producer.train_data), 1, 2, config.data.seed).rows_for(0, 0)  # round 0's share
+        chunk = producer.produce_chunk(0, rows, seed_index=0)
+        batch = chunk.batch
         received = {
-            "metrics": metrics,
+            "metrics": chunk.metrics,
+            "groups": chunk.groups,  # every row's facts, for the scheduler
+            "rows": sorted(rows),
             "eval": producer.evaluate(num_producers=64),  # a few eval prompts
             "startup": producer.startup.drain(),
             "samples": rollout_samples(batch),

@@ -13,7 +13,6 @@ import dataclasses
 import pytest
 import torch
 
-from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import ConfigError, RLConfig, resolve_precision, with_device_precision
 from colossal_rl.config_resolve import resolve
 from colossal_rl.driver.placement import PlacementError, resolve_precision_for_cluster
@@ -96,8 +95,7 @@ def test_a_resume_under_auto_keeps_the_checkpoints_precision(tmp_path):
     staging = ckpt.staging_dir(tmp_path / "checkpoints", 4)
     (staging / "trainer").mkdir()
     state = ckpt.RunState(progress=ckpt.RunProgress(step=4), run_dir=str(tmp_path), config=config_as_json(saved_config))
-    empty = BufferSnapshot(payloads=[], rounds={}, pool=[], last_dealt_round=1, dropped_stale_groups=0)
-    checkpoint = ckpt.commit(staging, state, empty)
+    checkpoint = ckpt.commit(staging, state, {})
     resume = dataclasses.replace(RLConfig(), run=dataclasses.replace(RLConfig().run, checkpoint_path=str(checkpoint)))
     found, config = checkpoint_to_resume(resume)
     assert found == checkpoint and config.parallel.precision == "bf16"

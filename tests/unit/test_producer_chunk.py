@@ -1,6 +1,6 @@
-"""Producer.produce_chunk (the streaming schedule's producer call) on the embedded model, no Ray: the kept groups'
+"""Producer.produce_chunk (the producer call of both schedules) on the embedded model, no Ray: the kept groups'
 batch and a fact per row — the version generation started with, the token cost, kept or filtered by DAPO's dynamic
-sampling — computed by the same code as a round's ``produce``; with partial rollouts a weight load lands while the
+sampling — with sampling seeded by the chunk's seed index; with partial rollouts a weight load lands while the
 chunk's rows decode, and the batch carries which version sampled each token."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from colossal_rl.config_resolve import resolve
 from colossal_rl.presets import algorithm_preset
 from colossal_rl.reward.records import OK, RewardRecord
 from colossal_rl.rollout.producer import Producer
+from colossal_rl.schedule.prompts import EpisodeSchedule
 
 GROUP_SIZE = 4
 
@@ -77,18 +78,36 @@ def test_a_chunk_whose_groups_are_all_filtered_has_no_batch(producer):
     assert [(group.row, group.kept, group.tokens) for group in chunk.groups] == [(4, False, 0)]
 
 
-def test_a_chunk_samples_as_a_round_of_the_same_rows_and_seed_does(producer):
-    rows = producer.schedule.rows_for(0, 0)[:2]
+def test_a_chunk_samples_by_its_seed_index_alone_as_a_rounds_share_does(producer):
+    """The round schedule orders round r's share of producer p as chunk ``r * num_producers + p`` seeded with
+    ``seed_index=r`` (what a round's sampling was always seeded with): the samples depend on the seed index alone —
+    not on the chunk id, nor on the RNG state before the call — and without one the chunk id seeds them."""
+    num_producers, round_index = 2, 3
+    plan = EpisodeSchedule(len(producer.train_data), num_producers, 2, producer.config.data.seed)
+    rows = plan.rows_for(round_index, producer.rank)
     keep_all = dataclasses.replace(producer.config.algorithm, filter_range=None)
     original = producer.config
     producer.config = dataclasses.replace(original, algorithm=keep_all)
+
+    def sampled(chunk_id: int, seed_index: int | None, rng_state: int) -> torch.Tensor:
+        torch.manual_seed(rng_state)  # whatever ran before the call
+        chunk = producer.produce_chunk(chunk_id, rows, seed_index=seed_index)
+        assert chunk.batch.data_indices == rows
+        return chunk.batch.response_ids
+
     try:
-        torch.manual_seed(0)
-        chunk = producer.produce_chunk(chunk_id=0, rows=rows)
-        batch, _, _ = producer._rollout(rows, seed_index=0)
+        share_chunk = round_index * num_producers + producer.rank
+        as_round = sampled(share_chunk, seed_index=round_index, rng_state=0)
+        again = sampled(share_chunk, seed_index=round_index, rng_state=1)
+        other_chunk_same_seed = sampled(99, seed_index=round_index, rng_state=2)
+        chunk_id_seeds = sampled(round_index, seed_index=None, rng_state=3)
+        other_seed = sampled(share_chunk, seed_index=None, rng_state=4)  # seeded with the chunk id, 6
     finally:
         producer.config = original
-    assert torch.equal(chunk.batch.response_ids, batch.response_ids)
+    assert torch.equal(as_round, again)
+    assert torch.equal(as_round, other_chunk_same_seed)
+    assert torch.equal(as_round, chunk_id_seeds)
+    assert not torch.equal(as_round, other_seed)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,20 @@ from colossal_rl.config_resolve import resolve
 from colossal_rl.input_checks import InputError, check_inputs
 from colossal_rl.reward.user_functions import PluginScorer
 from colossal_rl.rollout.producer import Producer
+from colossal_rl.schedule.prompts import EpisodeSchedule
 
 GROUP_SIZE = 2
+
+
+def produce_round(producer: Producer, round_index: int):
+    """The producer's share of a round, as the round schedule orders it: its rows, sampling seeded by the round."""
+    schedule = producer.config.schedule
+    plan = EpisodeSchedule(
+        len(producer.train_data), schedule.num_producers, schedule.inference_batch_size, producer.config.data.seed
+    )
+    chunk_id = round_index * schedule.num_producers + producer.rank
+    chunk = producer.produce_chunk(chunk_id, plan.rows_for(round_index, producer.rank), seed_index=round_index)
+    return chunk.batch, chunk.metrics
 
 
 def config(env: str) -> RLConfig:
@@ -50,7 +62,7 @@ def producer(tmp_path_factory) -> Producer:
 
 
 def test_a_round_is_multi_turn_episodes_with_policy_masks(producer):
-    batch, metrics = producer.produce(0)
+    batch, metrics = produce_round(producer, 0)
     assert batch is not None and batch.policy_mask is not None
     environment_tokens = batch.response_mask * (1 - batch.policy_mask)
     assert bool((environment_tokens.sum(1) > 0).all())  # every episode had its "again" turn
@@ -107,7 +119,7 @@ def test_without_env_rounds_and_evals_equal_the_one_step_environments(tmp_path):
     stepped = replace(plain, environment=EnvironmentConfig(name="single_turn", max_total_tokens=8))
     producers = [Producer(0, c, reward_scorer=build_reward_scorer(reward_type=c.reward.reward_type))
                  for c in (plain, stepped)]  # fmt: skip
-    (batch, _), (episodes, _) = (producer.produce(0) for producer in producers)
+    (batch, _), (episodes, _) = (produce_round(producer, 0) for producer in producers)
     assert episodes.policy_mask is not None and bool((episodes.policy_mask == episodes.response_mask).all())
     assert batch.prompts == episodes.prompts and batch.responses == episodes.responses
     assert batch.rewards.tolist() == episodes.rewards.tolist() and batch.reward_status == episodes.reward_status

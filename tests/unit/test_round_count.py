@@ -1,8 +1,9 @@
-"""How many rounds the round schedule plans (``driver/run.py``'s ``total_rounds``) and the steps its LR schedule spans.
+"""How many rounds the round schedule plans (``driver/schedules.py``'s ``total_rounds``) and the steps its LR schedule
+spans.
 
 ``--max-steps`` counts optimizer steps. Unfiltered, a round trains ``optimizer_steps_per_round`` of them, so the
 rounds are capped at ``ceil(max_steps / per round)``. DAPO's dynamic sampling drops groups, so its rounds train
-fewer: the rounds stay uncapped and ``Driver.run`` stops once the steps are trained (``test_e2e_cpu.py`` drives a
+fewer: the rounds stay uncapped and the round scheduler stops once the steps are trained (``test_e2e_cpu.py`` drives a
 real driver past the cap to check that), else a DAPO run with ``--max-steps 20`` trained 3-7 steps.
 """
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from colossal_rl.config import RLConfig
-from colossal_rl.driver.run import planned_steps, total_rounds
+from colossal_rl.driver.schedules import planned_steps, total_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rl_example.py: a script at the repo root
 from rl_example import build_parser, config_from_args  # noqa: E402

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import RLConfig, ScheduleConfig
 from colossal_rl.run_checkpoints import on_disk as ckpt
 from colossal_rl.run_outputs import OutputDirError, prepare_eval_dir, write_eval_generations
@@ -17,7 +16,6 @@ def state(step: int, run_dir: str = "run") -> ckpt.RunState:
     return ckpt.RunState(
         progress=ckpt.RunProgress(
             step=step,
-            next_round=step,
             policy_version=step,
             dropped_stale_groups=0,
             next_eval_step=20,
@@ -25,30 +23,31 @@ def state(step: int, run_dir: str = "run") -> ckpt.RunState:
         ),
         run_dir=run_dir,
         config={"schedule": {"n_behind": 1}},
-        pending_rollout_metrics={"3": [{"rollout/reward": 0.5}]},
+        schedule={"format": 1, "rounds_trained": step, "delivered": [[step + 1, 0, [[3, 0, 5, step, 40, 7]]]]},
     )
 
 
-EMPTY_BUFFER = BufferSnapshot(payloads=[], rounds={}, pool=[], last_dealt_round=1, dropped_stale_groups=0)
+NO_CHUNKS: dict[int, ckpt.SavedChunk] = {}
 
 
 def save(checkpoints, step: int):
     staging = ckpt.staging_dir(checkpoints, step)
     (staging / "trainer").mkdir()
-    return ckpt.commit(staging, state(step), EMPTY_BUFFER)
+    return ckpt.commit(staging, state(step), NO_CHUNKS)
 
 
 def test_commit_renames_a_complete_directory_and_round_trips_the_state(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     staging = ckpt.staging_dir(checkpoints, 4)
     assert staging.name.startswith(".") and ckpt.complete_checkpoints(checkpoints) == []
-    buffer = BufferSnapshot(
-        payloads=["batch"], rounds={5: {0: (0, 2, 4)}}, pool=[], last_dealt_round=4, dropped_stale_groups=3
-    )
-    final = ckpt.commit(staging, state(4), buffer)
+    chunks = {
+        3: ckpt.SavedChunk(payload=b"wire bytes of chunk 3", batch_rows=(5, 2), producer_rank=0),
+        4: ckpt.SavedChunk(payload=b"wire bytes of chunk 4", batch_rows=(0,), producer_rank=1),
+    }
+    final = ckpt.commit(staging, state(4), chunks)
     assert final == checkpoints / "step_000004" and not staging.exists()
     assert ckpt.load_state(final) == state(4)
-    assert ckpt.load_buffer(final) == buffer
+    assert ckpt.load_chunks(final) == chunks
 
 
 def test_interrupted_save_is_not_a_checkpoint_and_is_cleared_on_the_next_try(tmp_path):
@@ -78,20 +77,29 @@ def test_prune_keeps_the_newest_and_resolve_accepts_run_checkpoints_or_checkpoin
         ckpt.resolve(tmp_path / "elsewhere")
 
 
-def test_state_file_stays_flat_and_a_file_written_before_run_progress_loads(tmp_path):
+def test_state_file_stays_flat_and_a_file_of_the_buffer_era_is_refused_by_name(tmp_path):
     checkpoint = save(tmp_path / "checkpoints", 4)
     on_disk = json.loads((checkpoint / ckpt.STATE_FILE).read_text())
     assert on_disk["step"] == 4 and on_disk["eval_accuracy_before"] == {"math": 0.2} and "progress" not in on_disk
-    earlier = {  # a state.json as the driver wrote it before the counters became one object
+    assert on_disk["schedule"] == state(4).schedule
+    earlier = {  # a state.json as the driver wrote it beside a buffer.pt, before the scheduler's snapshot
         "step": 6, "next_round": 3, "policy_version": 3, "dropped_stale_groups": 1, "next_eval_step": 10,
         "eval_accuracy_before": {}, "run_dir": "run", "config": {}, "pending_rollout_metrics": {},
     }  # fmt: skip
     (checkpoint / ckpt.STATE_FILE).write_text(json.dumps(earlier))
-    loaded = ckpt.load_state(checkpoint)
-    assert loaded.progress == ckpt.RunProgress(6, 3, 3, 1, 10, {}) and loaded.step == 6
-    (checkpoint / ckpt.STATE_FILE).write_text(json.dumps({**earlier, "stepp": 1}))
+    with pytest.raises(ckpt.CheckpointError, match=r"state\.json: unreadable run state .*no 'schedule'.*buffer\.pt"):
+        ckpt.load_state(checkpoint)
+    (checkpoint / ckpt.STATE_FILE).write_text(json.dumps({**on_disk, "stepp": 1}))
     with pytest.raises(ckpt.CheckpointError, match="unknown keys"):
         ckpt.load_state(checkpoint)
+
+
+def test_an_unreadable_chunks_file_names_it(tmp_path):
+    checkpoint = save(tmp_path / "checkpoints", 4)
+    whole = (checkpoint / ckpt.CHUNKS_FILE).read_bytes()
+    (checkpoint / ckpt.CHUNKS_FILE).write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ckpt.CheckpointError, match=r"chunks\.pt: unreadable"):
+        ckpt.load_chunks(checkpoint)
 
 
 def test_unreadable_state_names_the_file(tmp_path):
@@ -141,19 +149,33 @@ def test_prune_removes_interrupted_saves_older_than_the_newest_whole_checkpoint(
     assert [p.name for p in ckpt.checkpoint_dirs(checkpoints)] == ["step_000004", "step_000008", "step_000009"]
 
 
-def test_a_stream_schedule_snapshot_round_trips_and_round_states_write_none(tmp_path):
+def test_either_schedulers_snapshot_round_trips_through_the_state_file(tmp_path):
+    from colossal_rl.schedule.events import FinishedGroup
+    from colossal_rl.schedule.rounds import RoundScheduler, RoundSettings
     from colossal_rl.schedule.streaming import StreamingScheduler, StreamingSettings
 
-    settings = StreamingSettings(
-        num_producers=1, groups_per_step=2, prompts_per_chunk=2, max_staleness=1, total_steps=3
+    rows = lambda episode: list(range(8))  # noqa: E731
+    rounds = RoundScheduler(
+        RoundSettings(num_producers=2, prompts_per_producer=2, groups_per_step=2, n_behind=1, total_rounds=2), rows
     )
-    scheduler = StreamingScheduler(settings, lambda episode: list(range(8)))
-    scheduler.admit()
-    stream_state = dataclasses.replace(state(0), stream_schedule=scheduler.snapshot())
-    staging = ckpt.staging_dir(tmp_path / "checkpoints", 0)
-    final = ckpt.commit(staging, stream_state, EMPTY_BUFFER)
-    assert ckpt.load_state(final) == stream_state
-    assert "stream_schedule" not in state(0).to_json()  # round checkpoints' state.json is as before
+    for order in rounds.admit():  # -nb 1: rounds 0 and 1 ordered at once
+        rounds.chunk_done(order.chunk_id, [FinishedGroup(row, order.policy_version, tokens=9) for row in order.rows])
+    assert rounds.next_step() is not None
+    rounds.step_done()  # round 0 trained; round 1 generated and not trained
+    stream = StreamingScheduler(
+        StreamingSettings(num_producers=1, groups_per_step=2, prompts_per_chunk=2, max_staleness=1, total_steps=3),
+        rows,
+    )
+    stream.admit()
+    for step, scheduler in enumerate((rounds, stream)):
+        saved = dataclasses.replace(state(step), schedule=scheduler.snapshot())
+        final = ckpt.commit(ckpt.staging_dir(tmp_path / "checkpoints", step), saved, NO_CHUNKS)
+        assert ckpt.load_state(final) == saved
+    round_snapshot = ckpt.load_state(tmp_path / "checkpoints" / "step_000000").schedule
+    assert round_snapshot["rounds_trained"] == 1 and [r for r, _, _ in round_snapshot["delivered"]] == [1, 1]
+    again = RoundScheduler(rounds.settings, rows)
+    again.restore(round_snapshot)  # the JSON round trip loses nothing the scheduler needs
+    assert again.snapshot() == rounds.snapshot()
 
 
 def test_the_schedule_mode_may_not_change_on_resume():

@@ -87,7 +87,7 @@ def test_the_round_schedule_ignores_the_stream_only_limits():
 
 def test_continuous_batching_streams_one_prompt_a_chunk_with_twice_the_engine_slots_ordered():
     from colossal_rl.driver.actor_groups import producer_concurrency
-    from colossal_rl.driver.stream_loop import stream_settings
+    from colossal_rl.driver.schedules import stream_settings
 
     config = config_of([*STREAM, "--continuous-batching", "-imbs", "4"])
     assert config.generation.continuous_batching

@@ -1,27 +1,25 @@
-"""The streaming driver loop's own bookkeeping (``colossal_rl/driver/stream_loop.py``), on fake actor groups (no
-Ray): which calls go to which actors after each event, in which order; which chunks' payloads it keeps or frees;
+"""The schedule loop's own bookkeeping (``colossal_rl/driver/schedule_loop.py``) under the streaming schedule, on fake
+actor groups (no Ray): which calls go to which actors after each event, in which order; which chunks' payloads it keeps or frees;
 what a lost chunk re-issues; when a sync, an eval and a checkpoint are due — each at its boundary (an admission
 budget exactly met, a step's groups exactly there, a chunk exactly S versions stale, an interval exactly reached).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-from fake_actor_groups import fake_sync, results
+from fake_actor_groups import results
+from fake_driver import PROGRESS, FakeDriver, calls, kinds
 
 from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
 from colossal_rl.config_resolve import resolve
-from colossal_rl.driver import stream_loop
+from colossal_rl.driver import schedule_loop
 from colossal_rl.driver.actor_messages import ChunkResult, StepResult
 from colossal_rl.driver.calls import RunFailed
-from colossal_rl.driver.run import Driver
-from colossal_rl.driver.stream_loop import StreamLoop
-from colossal_rl.run_checkpoints.on_disk import RunProgress
-from colossal_rl.schedule.events import FinishedGroup
-
-PROGRESS = SimpleNamespace(update=lambda n: None, set_postfix=lambda **kw: None)
+from colossal_rl.driver.schedule_loop import ScheduleLoop
+from colossal_rl.driver.schedules import stream_settings
+from colossal_rl.schedule.events import FinishedGroup, TrainGroup
+from colossal_rl.schedule.prompts import episode_rows
+from colossal_rl.schedule.streaming import StreamingScheduler
 
 
 def config(**run) -> RLConfig:
@@ -37,46 +35,13 @@ def config(**run) -> RLConfig:
     )
 
 
-class FakeDriver:
-    """What ``StreamLoop`` uses of a ``Driver``, on fake groups whose every call lands in ``log``."""
-
-    checkpoint_due = Driver.checkpoint_due
-
-    def __init__(self, config: RLConfig, train_rows: int = 16):
-        self.config, self.train_rows, self.timeout = config, train_rows, 1.0
-        self.sync, self.log, ready = fake_sync(num_trainers=1, num_producers=2)
-        self.sync.start(ready, retain=True)
-        self.log.clear()
-        self.trainers, self.producers = self.sync.trainers, self.sync.producers
-        self.buffer, self.rollout_dir, self.run_dir = "buffer", None, None
-        self.progress, self.last_saved_step = RunProgress(), 0
-        self.trace = SimpleNamespace(reported=True)
-        self.logged: list = []
-        self.metrics = SimpleNamespace(log=lambda kind, step, values: self.logged.append((kind, step, values)))
-        self.evals: list = []
-
-    @property
-    def step(self) -> int:
-        return self.progress.step
-
-    def log_eval(self, results, step=None):
-        self.evals.append(step)
-        return {"math": 0.5}
-
-
-def loop_on(config: RLConfig, total_steps: int = 8) -> tuple[StreamLoop, FakeDriver]:
+def loop_on(config: RLConfig, total_steps: int = 8) -> tuple[ScheduleLoop, FakeDriver]:
     driver = FakeDriver(config)
-    return StreamLoop(driver, total_steps), driver
+    scheduler = StreamingScheduler(stream_settings(config, total_steps), episode_rows(driver.train_rows, 0))
+    return ScheduleLoop(driver, scheduler, total_steps), driver
 
 
-def calls(driver: FakeDriver) -> list[tuple[str, str]]:
-    """The calls made since the last look, (actor, method), and forget them."""
-    made = [(actor, method) for actor, method, _ in driver.log]
-    driver.log.clear()
-    return made
-
-
-def answer(loop: StreamLoop, kind: str, kept: int | None = None):
+def answer(loop: ScheduleLoop, kind: str, kept: int | None = None):
     """Report the oldest waited-on item of ``kind`` finished (a chunk: its first ``kept`` rows kept, default all)."""
     item = next(item for item in loop.waiting if item.kind == kind)
     loop._forget(item)
@@ -89,15 +54,11 @@ def answer(loop: StreamLoop, kind: str, kept: int | None = None):
         payload = f"payload {order.chunk_id}" if kept else None
         finished = [ChunkResult(order.chunk_id, order.producer_rank, payload, order.rows[:kept], groups, {})]
     elif kind == "step":
-        finished = [StepResult(item.subject.step, {"train/reward": 0.0, "train/loss": 0.0}, [], [])]
+        finished = [[StepResult(item.subject.step, {"train/reward": 0.0, "train/loss": 0.0}, [], [])]]
     else:
         finished = results(item.calls)
     loop._answer(item, finished, PROGRESS)
     return item.subject
-
-
-def kinds(loop: StreamLoop) -> list[str]:
-    return [item.kind for item in loop.waiting]
 
 
 def test_first_decisions_fill_the_admission_budget_exactly_then_queue_the_eval_before_behind_the_chunks():
@@ -124,10 +85,10 @@ def test_a_step_is_ordered_once_its_groups_are_exactly_there_and_shares_point_in
     answer(loop, "chunk")  # three usable now: the oldest two (by arrival) are trained
     calls(driver)
     loop._decide()
-    assert [(actor, method) for actor, method, _ in driver.log] == [("trainer 0", "train_step")]
-    step, version, (share,), sample = driver.log[-1][2]
-    assert (step, version, sample) == (0, 0, False)
-    assert [(ref.payload, ref.group_index, ref.round_index) for ref in share] == [
+    assert [(actor, method) for actor, method, _ in driver.log] == [("trainer 0", "train_steps")]
+    step, version, ((share,),), sample_step = driver.log[-1][2]
+    assert (step, version, sample_step) == (0, 0, None)
+    assert [(ref.payload, ref.group_index, ref.chunk_id) for ref in share] == [
         ("payload 0", 0, 0),
         ("payload 1", 0, 1),
     ]
@@ -148,7 +109,7 @@ def test_a_due_sync_goes_to_every_producer_before_the_chunks_admitted_with_its_v
     chunk_orders = [item.subject for item in loop.waiting if item.kind == "chunk"]
     assert chunk_orders and all(order.policy_version == 1 for order in chunk_orders)
     # then the chunks admitted (version 1's budget), then the step of the two groups still waiting
-    assert {method for _, method in made[3:-1]} == {"produce_chunk"} and made[-1] == ("trainer 0", "train_step")
+    assert {method for _, method in made[3:-1]} == {"produce_chunk"} and made[-1] == ("trainer 0", "train_steps")
 
 
 def test_one_sync_is_in_flight_at_a_time_and_the_next_one_is_ordered_when_it_answers():
@@ -176,11 +137,12 @@ def test_one_sync_is_in_flight_at_a_time_and_the_next_one_is_ordered_when_it_ans
 @pytest.mark.parametrize("steps_done, kept", [(1, [0, 1]), (2, [1])])
 def test_a_chunk_exactly_s_versions_stale_keeps_its_payload_and_one_staler_is_freed(steps_done, kept):
     loop, _ = loop_on(config())
-    for version in (0, 1):
+    for version in (0, 1):  # chunk ``version``: one group waiting, generated with that version
         groups = (FinishedGroup(version, version, 10),)
         loop.chunks[version] = ChunkResult(version, 0, f"payload {version}", (version,), groups, {})
+        loop.scheduler._waiting.append(TrainGroup(version, 0, version, version, 10, version))
     loop.scheduler._steps_done = steps_done  # S = 1: version steps_done - 1 is still usable
-    loop._forget_untrainable_chunks()
+    loop._forget_trained_chunks()
     assert sorted(loop.chunks) == kept
 
 
@@ -196,7 +158,7 @@ def test_a_chunk_lost_with_its_producer_hands_its_rows_out_again_first(monkeypat
     loop._decide()
     lost = next(item for item in loop.waiting if item.kind == "chunk" and item.subject.producer_rank == 1)
     driver.restarted_producers = lambda failure, calls, whole_sync: [1]
-    monkeypatch.setattr(stream_loop, "_lost", lambda call: call in lost.calls)
+    monkeypatch.setattr(schedule_loop, "_lost", lambda call: call in lost.calls)
     calls(driver)
     loop._recover(RunFailed("producer 1 died", {lost.calls[0].actor: "died"}), lost)
     assert lost not in loop.waiting and loop.scheduler.counters.requeued_groups == 2
@@ -240,7 +202,8 @@ def test_a_checkpoint_is_due_when_the_interval_is_exactly_reached_or_at_the_last
 
 def test_a_checkpoint_between_steps_saves_the_trainers_version_and_the_schedulers_snapshot(monkeypatch):
     saved = []
-    monkeypatch.setattr(stream_loop, "save_run", lambda **kw: saved.append(kw))
+    monkeypatch.setattr(schedule_loop, "save_run", lambda **kw: saved.append(kw))
+    monkeypatch.setattr(schedule_loop, "_saved", lambda chunk, timeout_s: chunk.payload)
     loop, driver = loop_on(config(save_interval=2), total_steps=8)
     for _ in range(2):
         while "step" not in kinds(loop):
@@ -251,7 +214,9 @@ def test_a_checkpoint_between_steps_saves_the_trainers_version_and_the_scheduler
         if driver.step == 1:
             assert saved == []
     assert [kw["progress"].policy_version for kw in saved] == [2]  # versions count steps
-    assert saved[0]["stream_schedule"]["steps_done"] == 2 and driver.last_saved_step == 2
+    assert saved[0]["schedule"]["steps_done"] == 2 and driver.last_saved_step == 2
+    waiting = {group.chunk_id for group in loop.scheduler.waiting_groups()}
+    assert set(saved[0]["chunks"]) == waiting  # the rollouts of every group not trained, and only those
 
 
 def test_a_producer_death_while_a_broken_sync_forms_again_is_recovered_then_the_sync_made_again(monkeypatch):
@@ -262,7 +227,7 @@ def test_a_producer_death_while_a_broken_sync_forms_again_is_recovered_then_the_
     answer(loop, "step")
     loop._decide()  # the sync to version 1
     sync = next(item for item in loop.waiting if item.kind == "sync")
-    monkeypatch.setattr(stream_loop.ray, "wait", lambda refs, **kwargs: (refs, []))
+    monkeypatch.setattr(schedule_loop.ray, "wait", lambda refs, **kwargs: (refs, []))
     formations, restarts = [], []
     wait = driver.sync.wait
 
@@ -292,7 +257,7 @@ def test_a_sync_that_cannot_form_three_times_ends_the_run(monkeypatch):
     answer(loop, "step")
     loop._decide()
     sync = next(item for item in loop.waiting if item.kind == "sync")
-    monkeypatch.setattr(stream_loop.ray, "wait", lambda refs, **kwargs: (refs, []))
+    monkeypatch.setattr(schedule_loop.ray, "wait", lambda refs, **kwargs: (refs, []))
 
     def formation_wait(groups):
         raise RunFailed("producer 0 died", {groups[-1][0].actor: "died"})

@@ -1,15 +1,21 @@
 """Dealing a step's groups to data-parallel ranks by token cost: the partition, the producers' costs, and the
-buffer using them (equal group counts, balanced tokens, old snapshots still restoring)."""
+schedule loop using them (every step of an order dealt on its own: equal group counts, balanced tokens)."""
 
 import itertools
 import random
 
 import pytest
 import torch
+from fake_driver import PROGRESS, FakeDriver
 
 from colossal_rl.batch import RolloutBatch
-from colossal_rl.comm.buffer import BufferSnapshot, RoundBuffer
 from colossal_rl.comm.token_balance import balanced_parts, group_token_costs, step_shares
+from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, RunConfig, ScheduleConfig, TrainConfig
+from colossal_rl.config_resolve import resolve
+from colossal_rl.driver.actor_messages import ChunkResult
+from colossal_rl.driver.schedule_loop import ScheduleLoop
+from colossal_rl.driver.schedules import make_scheduler
+from colossal_rl.schedule.events import FinishedGroup
 
 
 def loads(costs, parts):
@@ -92,67 +98,52 @@ def test_group_costs_count_the_prompt_once_per_group_when_it_is_shared():
     assert group_token_costs(batch, shared_prompt=True) == [4 + 5 + 1, 2 + 3 + 3]
 
 
-def names(assignment):
-    return [f"{group.payload}:{group.group_index}" for group in assignment.groups]
-
-
-def test_buffer_deals_each_step_balanced_with_equal_group_counts():
-    buffer = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
-    # Step 0: A:0..3 with costs 100, 90, 10, 5 (by position rank 0 would get 190, rank 1 15); step 1: A:4..7.
-    buffer.put(0, 0, "A", 8, policy_version=0, group_tokens=(100, 90, 10, 5, 7, 7, 7, 7))
-    rank0, rank1 = (buffer.take(0, rank, trainer_policy_version=0) for rank in range(2))
-    assert rank0.num_steps == rank1.num_steps == 2
-    step0 = [rank0.groups[:2], rank1.groups[:2]]
-    assert sorted(g.group_index for share in step0 for g in share) == [0, 1, 2, 3]
-    assert [sum(g.tokens for g in share) for share in step0] == [105, 100]
-    assert sorted(names(rank0)[2:] + names(rank1)[2:]) == ["A:4", "A:5", "A:6", "A:7"]  # step 1 from step 1's groups
-
-
-def test_buffer_without_costs_deals_by_position():
-    buffer = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
-    buffer.put(0, 0, "A", 4, policy_version=0)
-    assert [names(buffer.take(0, rank, trainer_policy_version=0)) for rank in range(2)] == [
-        ["A:0", "A:1"],
-        ["A:2", "A:3"],
-    ]
-
-
-def test_costs_must_match_the_group_count():
-    buffer = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
-    with pytest.raises(ValueError, match="producer 0: 3 token costs for 4 groups"):
-        buffer.put(0, 0, "A", 4, policy_version=0, group_tokens=(1, 2, 3))
-
-
-def test_costs_survive_a_snapshot_and_old_snapshots_restore_without_them():
-    buffer = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
-    buffer.put(0, 0, "A", 6, policy_version=0, group_tokens=(1, 2, 3, 4, 50, 60))  # 2 groups carried over
-    buffer.put(1, 0, "B", 2, policy_version=0, group_tokens=(70, 80))  # delivered, not dealt
-    for rank in range(2):
-        buffer.take(0, rank, trainer_policy_version=0)
-    snapshot = buffer.snapshot()
-    restored = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
-    restored.restore(snapshot)
-    shares = [restored.take(1, rank, trainer_policy_version=0) for rank in range(2)]
-    assert sorted(g.tokens for share in shares for g in share.groups) == [50, 60, 70, 80]
-    assert sorted(sum(g.tokens for g in share.groups) for share in shares) == [130, 130]
-
-    old = BufferSnapshot(
-        payloads=["A", "B"],
-        rounds={1: {0: (1, 2, 0)}},
-        pool=[(0, 4, 0, 0), (0, 5, 0, 0)],
-        last_dealt_round=0,
-        dropped_stale_groups=0,
+def round_loop_on_two_ranks() -> tuple[ScheduleLoop, FakeDriver]:
+    """The schedule loop under the round schedule on fake actors (no Ray): 2 data-parallel ranks, 2 producers of 4
+    prompts a round, steps of 2 groups per rank."""
+    config = resolve(
+        RLConfig(
+            generation=GenerationConfig(microbatch_size=2),
+            train=TrainConfig(batch_size=2, minibatch_size=2),
+            parallel=ParallelConfig(num_trainers=2),
+            schedule=ScheduleConfig(num_producers=2, inference_batch_size=4, n_behind=0),
+            run=RunConfig(eval_interval=0, save_interval=0, log_rollout_interval=0, final_export=False),
+        )
     )
-    legacy = RoundBuffer(num_producers=1, dp_size=2, groups_per_step=2, n_behind=1)
-    legacy.restore(old)
-    assert [names(legacy.take(1, rank, trainer_policy_version=0)) for rank in range(2)] == [
-        ["A:4", "A:5"],
-        ["B:0", "B:1"],
-    ]
+    assert config.parallel.dp_size == 2
+    driver = FakeDriver(config, train_rows=16)
+    scheduler, plan = make_scheduler(config, driver.train_rows)
+    return ScheduleLoop(driver, scheduler, plan.total_steps), driver
+
+
+def test_the_schedule_loop_deals_each_step_of_a_round_balanced_with_equal_group_counts():
+    """A round of two steps over 2 data-parallel ranks (2 producers of 4 prompts, steps of 2 x 2 groups): each step
+    is dealt from its own groups, 2 to each rank, by the token costs the producers reported."""
+    loop, driver = round_loop_on_two_ranks()
+    loop._decide()
+    costs = {0: (100, 90, 10, 5), 1: (7, 7, 7, 7)}  # by position, step 0's rank 0 would compute 190 tokens, rank 1 15
+    for item in [item for item in loop.waiting if item.kind == "chunk"]:
+        order = item.subject
+        groups = tuple(FinishedGroup(row, 0, cost) for row, cost in zip(order.rows, costs[order.chunk_id], strict=True))
+        loop._forget(item)
+        payload = f"payload {order.chunk_id}"
+        loop._answer(
+            item, [ChunkResult(order.chunk_id, order.producer_rank, payload, order.rows, groups, {})], PROGRESS
+        )
+    driver.log.clear()
+    loop._decide()
+    ((first_step, _, shares, _),) = [args for actor, method, args in driver.log if actor == "trainer 0"]
+    assert [method for _, method, _ in driver.log] == ["train_steps"] * len(driver.trainers)
+    assert (first_step, len(shares)) == (0, 2)  # one order of the round's two steps
+    assert all([len(share) for share in step] == [2, 2] for step in shares)
+    step0, step1 = ([[(ref.payload, ref.group_index) for ref in share] for share in step] for step in shares)
+    assert sorted(step0[0] + step0[1]) == [("payload 0", g) for g in range(4)]
+    assert [sum(ref.tokens for ref in share) for share in shares[0]] == [105, 100]
+    assert sorted(step1[0] + step1[1]) == [("payload 1", g) for g in range(4)]  # step 1 from step 1's groups
 
 
 def test_step_shares_balance_known_costs_and_slice_otherwise():
-    """The dealing both schedules use: the round buffer's steps and the streaming driver's step orders."""
+    """The dealing of every step of either schedule (``driver/schedule_loop.py``)."""
     assert step_shares([100, 1, 1, 100], 2) == balanced_parts([100, 1, 1, 100], 2)
     shares = step_shares([100, 100, 1, 1], 2)
     assert sorted(sum([100, 100, 1, 1][i] for i in part) for part in shares) == [101, 101]

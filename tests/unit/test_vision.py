@@ -320,6 +320,7 @@ def test_input_checks_refuse_what_cannot_train_naming_it(vlm_dir, image_rows, tm
 def test_a_producer_round_carries_each_groups_images_once_and_evaluates_with_them(vlm_dir, image_rows):
     from colossal_rl.reward import build_reward_scorer
     from colossal_rl.rollout.producer import Producer
+    from colossal_rl.schedule.prompts import EpisodeSchedule
 
     config = vision_config(vlm_dir, image_rows)
     config = replace(
@@ -330,7 +331,8 @@ def test_a_producer_round_carries_each_groups_images_once_and_evaluates_with_the
         train=replace(config.train, batch_size=2, minibatch_size=2, microbatch_size=6),
     ).validate()
     producer = Producer(0, resolve(config), build_reward_scorer("boxed", timeout_s=5.0, num_workers=1))
-    batch, _ = producer.produce(0)
+    rows = EpisodeSchedule(len(producer.train_data), 1, 2, producer.config.data.seed).rows_for(0, 0)  # round 0
+    batch = producer.produce_chunk(0, rows, seed_index=0).batch
     assert len(batch.vision) == batch.num_samples == 6
     for group in range(2):
         shared = {id(v) for v in batch.vision[group * 3 : group * 3 + 3]}

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from colossal_rl.comm.buffer import BufferSnapshot
 from colossal_rl.config import ConfigError, RLConfig, RunConfig
 from colossal_rl.config_files import config_to_yaml, load_config_file
 from colossal_rl.config_resolve import resolve
@@ -53,8 +52,10 @@ def test_the_flag_takes_the_old_name_with_one_warning_and_offers_only_the_new(ca
 
 
 def test_an_old_runs_config_file_still_resumes_with_files(tmp_path, caplog):
-    """An old run directory: its ``config.yaml`` and its checkpoint's ``state.json`` both say ``checkpoint``."""
+    """An old run directory: its ``config.yaml`` and its checkpoint's ``state.json`` both say ``checkpoint`` (the
+    checkpoint itself as a run writes it: the round scheduler's snapshot in ``state.json``, no rollouts pending)."""
     from colossal_rl.driver.save_and_resume import checkpoint_to_resume, config_as_json
+    from colossal_rl.driver.schedules import make_scheduler
 
     saved = resolve(RLConfig())  # what a run writes: the resolved config
     old = config_as_json(saved)
@@ -63,9 +64,9 @@ def test_an_old_runs_config_file_still_resumes_with_files(tmp_path, caplog):
     config_yaml.write_text(config_to_yaml(saved).replace("weight_sync_mode: auto", "weight_sync_mode: checkpoint"))
     staging = ckpt.staging_dir(tmp_path / "checkpoints", 2)
     (staging / "trainer").mkdir()
-    state = ckpt.RunState(progress=ckpt.RunProgress(step=2), run_dir=str(tmp_path), config=old)
-    empty = BufferSnapshot(payloads=[], rounds={}, pool=[], last_dealt_round=1, dropped_stale_groups=0)
-    checkpoint = ckpt.commit(staging, state, empty)
+    scheduler, _ = make_scheduler(saved, num_rows=64)
+    state = ckpt.RunState(ckpt.RunProgress(step=2), str(tmp_path), config=old, schedule=scheduler.snapshot())
+    checkpoint = ckpt.commit(staging, state, chunks={})
 
     with caplog.at_level(logging.WARNING):
         config = config_from_args(parse_args(["--config", str(config_yaml), "-cp", str(tmp_path)]))

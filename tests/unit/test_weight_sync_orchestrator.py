@@ -1,5 +1,5 @@
 """The one weight-sync orchestrator (``colossal_rl/driver/weight_sync.py``): which actors get which calls, in which
-order, for each caller (a run's start, a resume, the round loop's and the stream loop's syncs, a sync made again, a
+order, for each caller (a run's start, a resume, the schedule loop's syncs, a sync made again, a
 producer restart), on fake actor groups that log every call they are asked for. No Ray."""
 
 from __future__ import annotations

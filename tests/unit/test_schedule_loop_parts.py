@@ -1,6 +1,7 @@
-"""The streaming driver loop's pure parts (``colossal_rl/driver/stream_loop.py``): how many steps a run has, the
-scheduler settings a config makes, a step's schedule metrics, and what a failed sync without a producer death
-does. The loop itself runs in tests/e2e/test_streaming_e2e.py."""
+"""The schedule loop's pure parts (``colossal_rl/driver/schedule_loop.py``, ``schedules.py``): how many steps a
+streaming run has, the scheduler settings a config makes, a step's schedule metrics, and what a failed sync
+without a producer death does. The loop's decisions: test_round_loop_decisions.py, test_stream_loop_decisions.py;
+the loop itself runs in tests/e2e/."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 
 from colossal_rl.config import GenerationConfig, ParallelConfig, RLConfig, ScheduleConfig, TrainConfig
 from colossal_rl.data import DataError
-from colossal_rl.driver import stream_loop
+from colossal_rl.driver import schedule_loop
 from colossal_rl.driver.calls import ActorId, Call, RunFailed
-from colossal_rl.driver.stream_loop import StreamLoop, Waiting, step_metrics, stream_settings, stream_total_steps
+from colossal_rl.driver.schedule_loop import ScheduleLoop, Waiting, step_metrics
+from colossal_rl.driver.schedules import stream_settings, stream_total_steps
 from colossal_rl.schedule.events import StepOrder, TrainGroup
 
 
@@ -63,10 +65,10 @@ def test_a_sync_failing_on_a_live_producer_ends_the_run_naming_the_error(monkeyp
         [Call(ActorId("trainer", 0), "push_weights", ref=object()), Call(producer, "receive_weights", ref=object())],
         1,
     )
-    loop = object.__new__(StreamLoop)  # only what ``_recover`` reads
+    loop = object.__new__(ScheduleLoop)  # only what ``_recover`` reads
     loop.driver = SimpleNamespace(restarted_producers=lambda failure, calls, whole_sync: [])
     loop.waiting, loop._unanswered = [sync], set()
-    monkeypatch.setattr(stream_loop, "_lost", lambda call: False)  # no call failed by a death or a restart
+    monkeypatch.setattr(schedule_loop, "_lost", lambda call: False)  # no call failed by a death or a restart
     failure = RunFailed("producer 0 failed: AttributeError: boom", {producer: "failed"})
     with pytest.raises(RunFailed, match="AttributeError: boom"):
         loop._recover(failure, sync)

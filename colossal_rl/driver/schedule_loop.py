@@ -1,22 +1,24 @@
-"""The streaming schedule's driver loop (``--schedule stream``, issue 35), beside ``run.Driver.run``'s rounds.
+"""The driver's one schedule loop: it carries out either schedule's decisions on the actors.
 
-The decisions are ``schedule/streaming.py``'s ``StreamingScheduler``; this loop only carries them out and
-reports back. After every event, in this order: order the due weight sync (``push_weights`` on the trainers,
-``receive_weights`` on every producer), the eval if one is due, the admitted chunks (``produce_chunk`` on their
-producers), then the next optimizer step (``train_step`` on every trainer, each data-parallel rank's share
-dealt as the round buffer deals, ``token_balance.step_shares``). An actor runs its calls in submission order,
-so a sync submitted to a producer between two chunks is taken at that chunk boundary, and a chunk submitted
-after it generates with it. Then it waits (``ray.wait``, bounded by ``--timeout``) for whatever answers next:
-a chunk, the step, the sync or an eval.
+The decisions are the scheduler's (``schedule/rounds.py``'s ``RoundScheduler`` for ``--schedule rounds``,
+``schedule/streaming.py``'s ``StreamingScheduler`` for ``stream``; ``schedules.py`` picks one); this loop only
+carries them out and reports back. After every event, in this order: order the due weight sync (``push_weights``
+on the trainers, ``receive_weights`` on every producer), the eval if one is due, the admitted chunks
+(``produce_chunk`` on their producers), then the next training order (``train_steps`` on every trainer: one
+optimizer step of a stream, a whole round of rounds; each data-parallel rank's share of each step dealt by
+token cost, ``token_balance.step_shares``). An actor runs its calls in submission order, so a sync submitted to a
+producer between two chunks is taken at that chunk boundary, and a chunk submitted after it generates with it.
+Then it waits (``ray.wait``, bounded by ``--timeout``) for whatever answers next: a chunk, a training order, the
+sync or an eval.
 
 One sync is in flight at a time: a trainer may not overwrite what a producer has not read yet (shm, files).
-A checkpoint (``-si``) is taken between two steps: the trainers' state and the scheduler's snapshot; on resume
-the rows of chunks in flight and of groups waiting then are handed out again (their rollouts are not saved:
-they are generated anew, with the resumed weights), so no row is trained twice in an episode.
-A producer that dies is restarted by Ray (``--max-actor-restarts``): it gets the last completed sync's weights,
-the rows of its lost chunks are handed out again, a sync it broke is made again on a newly formed group.
-Not here yet (``config.py`` refuses them in stream mode): pipeline parallelism, ppo_epochs > 1. Uses the
-``Driver``'s actors, start-up, evals, export, shutdown and producer restarts.
+A checkpoint (``-si``) is taken after a training order: the trainers' state, the scheduler's snapshot and the
+rollouts of every group delivered and not trained. The round schedule first waits for the chunks in flight (its
+resume is exact); the streaming one hands their rows out again on resume (generated anew, with the resumed
+weights), so no row is trained twice in an episode.
+A producer that dies is restarted by Ray (``--max-actor-restarts``): it gets the last completed sync's weights;
+a chunk it lost is made again as it was (rounds) or its rows handed out again (stream), a sync it broke is made
+again on a newly formed group, an eval made again.
 """
 
 from __future__ import annotations
@@ -32,56 +34,25 @@ from tqdm import tqdm
 
 from colossal_rl.comm.buffer import GroupRef
 from colossal_rl.comm.token_balance import step_shares
-from colossal_rl.driver.actor_groups import chunks_in_flight
 from colossal_rl.driver.actor_messages import ChunkResult, StepResult
 from colossal_rl.driver.calls import Calls, RunFailed, activity_board, call_outcome, gather, late_message
 from colossal_rl.driver.producer_restarts import redo_lost
 from colossal_rl.driver.save_and_resume import save_run
 from colossal_rl.metrics import merge_rank_step_metrics
+from colossal_rl.run_checkpoints.on_disk import SavedChunk
 from colossal_rl.run_outputs import write_rollout_samples
-from colossal_rl.schedule.events import ChunkOrder, StepOrder, TrainGroup
-from colossal_rl.schedule.prompts import episode_rows
-from colossal_rl.schedule.streaming import StreamingScheduler, StreamingSettings
+from colossal_rl.schedule.events import ChunkOrder, Scheduler, StepOrder, TrainGroup
 
 if TYPE_CHECKING:
-    from colossal_rl.config import RLConfig
     from colossal_rl.driver.run import Driver
 
 logger = logging.getLogger(__name__)
 
 
-def stream_total_steps(config: RLConfig, num_rows: int) -> int:
-    """Optimizer steps of a streaming run: every episode's prompts in steps of ``dp_size * train.batch_size``
-    groups, at most ``--max-steps``. (Dynamic sampling may leave the prompts short of them: the run ends then.)"""
-    from colossal_rl.data import DataError
-
-    per_step = config.parallel.dp_size * config.train.batch_size
-    steps = num_rows * config.schedule.num_episodes // per_step
-    if steps == 0:
-        raise DataError(
-            f"{config.data.train_path}: the training set has {num_rows} prompts, fewer than one optimizer step "
-            f"trains (dp {config.parallel.dp_size} x -tbs {config.train.batch_size})"
-        )
-    return steps if config.schedule.max_steps is None else min(steps, config.schedule.max_steps)
-
-
-def stream_settings(config: RLConfig, total_steps: int) -> StreamingSettings:
-    schedule, generation = config.schedule, config.generation
-    return StreamingSettings(
-        num_producers=schedule.num_producers,
-        groups_per_step=config.parallel.dp_size * config.train.batch_size,
-        prompts_per_chunk=1 if generation.continuous_batching else generation.microbatch_size,
-        max_staleness=schedule.max_staleness,
-        total_steps=total_steps,
-        sync_every_steps=schedule.sync_every_steps,
-        chunks_in_flight_per_producer=chunks_in_flight(config),
-        num_episodes=schedule.num_episodes,
-    )
-
-
 @dataclass
 class Waiting:
-    """Calls the loop waits on: a chunk (``ChunkOrder``), a step (``StepOrder``), a sync or an eval (the step)."""
+    """Calls the loop waits on: a chunk (``ChunkOrder``), a training order (``StepOrder``), a sync (its version) or
+    an eval (its step)."""
 
     kind: str
     calls: Calls
@@ -105,29 +76,30 @@ class BusyTime:
         }
 
 
-class StreamLoop:
-    """Runs one streaming schedule on a started ``Driver``'s actors (``progress.step`` counts its steps)."""
+class ScheduleLoop:
+    """Runs one schedule on a started ``Driver``'s actors (``progress.step`` counts its optimizer steps)."""
 
-    def __init__(self, driver: Driver, total_steps: int, resumed: dict | None = None):
-        """``resumed``: the scheduler's snapshot in the checkpoint the driver started from."""
+    def __init__(self, driver: Driver, scheduler: Scheduler, total_steps: int, resumed: dict | None = None):
+        """``total_steps``: the optimizer steps planned (the LR schedule's end); ``resumed``: the scheduler's
+        snapshot in the checkpoint the driver started from (``driver.resumed_chunks``: its rollouts)."""
         self.driver = driver
         self.config = driver.config
         self.total_steps = total_steps
-        self.scheduler = StreamingScheduler(
-            stream_settings(self.config, total_steps), episode_rows(driver.train_rows, self.config.data.seed)
-        )
-        if resumed is not None:
-            self.scheduler.restore(resumed, requeue_waiting=True)
-            if self.scheduler.steps_done != driver.step:
-                raise RunFailed(f"stream schedule at step {self.scheduler.steps_done}, trainers at {driver.step}")
+        self.scheduler = scheduler
         self.chunks: dict[int, ChunkResult] = {}
-        """Chunks whose kept groups may still be trained: where each group's payload is."""
+        """Delivered chunks some of whose kept groups are not trained yet: where each group's payload is."""
+        if resumed is not None:
+            self.scheduler.restore(resumed)
+            if self.scheduler.steps_done != driver.step:
+                raise RunFailed(f"schedule at step {self.scheduler.steps_done}, trainers at {driver.step}")
+            self.chunks = dict(driver.resumed_chunks)
         self.waiting: list[Waiting] = []
         self._unanswered: set = set()  # refs of waited-on calls not seen finished yet
         self.busy = BusyTime()
         self.eval_before_ordered = False
+        self._synced_at_step: dict[int, int] = {}  # version -> the step its sync was ordered at
         self._first_chunks: dict[int, tuple[float, float | None]] = {}  # producer -> (arrival, generating seconds)
-        logger.info("stream schedule: %s", self.scheduler.settings)
+        logger.info("%s schedule: %s", self.config.schedule.mode, scheduler.settings)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> tuple[dict[str, float], dict[str, float]]:
@@ -142,11 +114,12 @@ class StreamLoop:
             self._answer(item, gather(item.calls, self.driver.timeout), progress)  # all finished: no wait
         progress.close()
         if driver.step < self.total_steps:
+            counts = self.scheduler.metrics()
             logger.warning(
-                "stream schedule: the prompts of -e %d episode(s) ran out after %d of %d optimizer steps (%d groups "
+                "%s schedule: the prompts of -e %d episode(s) ran out after %d of %d optimizer steps (%d groups "
                 "filtered by dynamic sampling, %d dropped as stale); raise -e for more",
-                self.config.schedule.num_episodes, driver.step, self.total_steps,
-                self.scheduler.counters.filtered_groups, self.scheduler.counters.dropped_stale_groups,
+                self.config.schedule.mode, self.config.schedule.num_episodes, driver.step, self.total_steps,
+                counts["schedule/groups_filtered"], counts["schedule/groups_dropped_stale"],
             )  # fmt: skip
         driver.collect_profile()
         if self.config.run.final_export:
@@ -166,12 +139,10 @@ class StreamLoop:
         if version is not None and not self._kinds("sync"):
             self._submit("sync", driver.sync.sync_to(version, reason=f"step {driver.step}"), version)
             scheduler.sync_ordered(version)
+            self._synced_at_step[version] = driver.step
         self._order_eval()
         for order in scheduler.admit():
-            calls = driver.producers.produce_chunk(
-                order.producer_rank, order.chunk_id, list(order.rows), driver.buffer, order.policy_version
-            )
-            self._submit("chunk", calls, order)
+            self._submit("chunk", driver.producers.produce_chunk(order, driver.buffer), order)
         if not self.eval_before_ordered:  # behind the first chunks: same weights, and they need not wait for it
             self.eval_before_ordered = True
             if driver.progress.eval_accuracy_before is None:
@@ -183,23 +154,31 @@ class StreamLoop:
                 self._submit("step", self._train_calls(step), step)
 
     def _order_eval(self) -> None:
-        """The eval every ``-ei`` steps, of the weights synced at that step (submitted behind that sync)."""
+        """The eval every ``-ei`` steps, of the weights synced at that step (submitted behind that sync; none after
+        the last step: the run's final eval follows)."""
         interval, progress = self.config.run.eval_interval, self.driver.progress
-        step = self.driver.step
-        if not interval or step == 0 or step < progress.next_eval_step or step >= self.total_steps:
+        step, version = self.driver.step, self.scheduler.synced_version
+        if not interval or step == 0 or step < progress.next_eval_step or self.scheduler.finished:
             return
-        if self.scheduler.synced_version != step or self._kinds("eval"):
+        if self._synced_at_step.get(version) != step or self._kinds("eval"):
             return
-        self._submit("eval", self.driver.producers.evaluate(min_version=step), step)
+        self._submit("eval", self.driver.producers.evaluate(min_version=version), step)
         progress.next_eval_step = (step // interval + 1) * interval
 
-    def _train_calls(self, step: StepOrder) -> Calls:
-        """Every trainer's ``train_step`` call; each data-parallel rank's share balanced by token cost."""
-        parts = step_shares([group.tokens for group in step.groups], self.config.parallel.dp_size)
-        shares = [[self._group_ref(step.groups[index]) for index in part] for part in parts]
+    def _train_calls(self, order: StepOrder) -> Calls:
+        """Every trainer's ``train_steps`` call; each data-parallel rank's share of each step balanced by token cost."""
+        shares = []
+        for groups in order.step_groups():
+            parts = step_shares([group.tokens for group in groups], self.config.parallel.dp_size)
+            shares.append([[self._group_ref(groups[index]) for index in part] for part in parts])
+        return self.driver.trainers.train_steps(order.step, order.trainer_version, shares, self._sample_step(order))
+
+    def _sample_step(self, order: StepOrder) -> int | None:
+        """Index within ``order`` of the step whose rollouts are written (``--log-rollout-interval``), if one is due."""
         interval = self.config.run.log_rollout_interval
-        sample = bool(interval) and (step.step + 1) % interval == 0
-        return self.driver.trainers.train_step(step.step, step.trainer_version, shares, sample)
+        if not interval:
+            return None
+        return next((s for s in range(order.num_steps) if (order.step + s + 1) % interval == 0), None)
 
     def _group_ref(self, group: TrainGroup) -> GroupRef:
         chunk = self.chunks[group.chunk_id]
@@ -216,11 +195,13 @@ class StreamLoop:
         while True:
             refs = list(self._unanswered)
             if not refs:
-                raise RunFailed(f"stream schedule stalled: nothing in flight, {self.scheduler.metrics()}")
+                raise RunFailed(f"schedule stalled: nothing in flight, {self.scheduler.metrics()}")
             ready, _ = ray.wait(refs, num_returns=1, timeout=self.driver.timeout)
             if not ready:
                 late = [call for item in self.waiting for call in item.calls if call.ref in self._unanswered]
-                raise RunFailed(f"stream schedule: {late_message(late, self.driver.timeout, activity_board())}")
+                raise RunFailed(
+                    f"{self.config.schedule.mode} schedule: {late_message(late, self.driver.timeout, activity_board())}"
+                )
             self._unanswered.discard(ready[0])
             item = next(item for item in self.waiting if any(call.ref == ready[0] for call in item.calls))
             if call_outcome(ready[0])[0] != "ok":
@@ -236,9 +217,10 @@ class StreamLoop:
     # ------------------------------------------------------------------ producer restarts
     def _recover(self, failure: RunFailed, item: Waiting) -> None:
         """Producers Ray restarted (``--max-actor-restarts``) get the last completed sync's weights; every call
-        they lost is dealt with: a chunk's rows are handed out again (``chunk_lost``), an eval's calls made again,
-        a sync made again whole on a newly formed sync group. A dead trainer, or a failure that is no producer
-        death, ends the run (with the resume command)."""
+        they lost is dealt with, in the order it was submitted: a chunk is made again or its rows handed out again
+        (the scheduler's ``chunk_lost`` says which), an eval's calls made again, a sync made again whole on a newly
+        formed sync group. A dead trainer, or a failure that is no producer death, ends the run (with the resume
+        command)."""
         # the restore is queued behind every call they had: once it returns, each of those has failed
         restarted = self.driver.restarted_producers(failure, item.calls, whole_sync=item.kind == "sync")
         if not restarted and not any(_lost(call) for call in item.calls):
@@ -248,11 +230,12 @@ class StreamLoop:
             if waiting.kind == "sync" and (lost or restarted):
                 self._remake_sync(waiting)
             elif lost and waiting.kind == "chunk":
-                self.scheduler.chunk_lost(waiting.subject.chunk_id)
+                again = self.scheduler.chunk_lost(waiting.subject.chunk_id)
                 self._forget(waiting)
-                logger.warning(
-                    "chunk %d lost with its producer: its rows are handed out again", waiting.subject.chunk_id
-                )
+                if again is not None:
+                    self._submit("chunk", redo_lost(waiting.calls), again)
+                what = "it is made again" if again is not None else "its rows are handed out again"
+                logger.warning("chunk %d lost with its producer: %s", waiting.subject.chunk_id, what)
             elif lost:
                 self._forget(waiting)
                 self._submit(waiting.kind, redo_lost(waiting.calls), waiting.subject)
@@ -282,12 +265,13 @@ class StreamLoop:
         if item.kind == "chunk":
             self._chunk_done(item.subject, results[0])
         elif item.kind == "step":
-            self._step_done(item.subject, results, progress)
+            self._step_done(item.subject, results, progress, time.perf_counter() - item.submitted_at)
         elif item.kind == "sync":
             self.driver.progress.policy_version = item.subject
             self.driver.sync.synced(results)  # with --max-actor-restarts: what a restarted producer is given
             elapsed = time.perf_counter() - item.submitted_at  # from its order: behind queued chunks and a step
-            self.driver.metrics.log("sync", item.subject, {"time/sync_s": elapsed})  # at the step of its weights
+            step = self._synced_at_step.get(item.subject, self.driver.step)  # at the step of its weights
+            self.driver.metrics.log("sync", step, {"time/sync_s": elapsed})
         else:
             self._eval_done(item.subject, results)
 
@@ -311,46 +295,55 @@ class StreamLoop:
             arrivals = {rank: arrived for rank, (arrived, _) in self._first_chunks.items()}
             self.driver.report_startup(arrivals, [self._first_chunks[rank][1] for rank in range(num_producers)])
 
-    def _step_done(self, step: StepOrder, results: list[StepResult], progress) -> None:
+    def _step_done(self, order: StepOrder, results: list[list[StepResult]], progress, elapsed_s: float) -> None:
+        """A training order finished, ``elapsed_s`` after it was submitted: ``results[trainer][k]`` is each trainer's
+        k-th optimizer step of it (the last step's metrics carry ``time/train_order_s``)."""
         self.scheduler.step_done()
         driver = self.driver
-        driver.progress.step += 1
-        driver.progress.dropped_stale_groups += step.dropped_stale
-        self.busy.training_s += results[0].metrics.get("time/train_step_s", 0.0)
-        merged = merge_rank_step_metrics([result.metrics for result in results])
-        merged["train/data_indices"] = sorted(index for result in results for index in result.data_indices)
-        merged |= step_metrics(step) | self.scheduler.metrics()
-        merged |= self.busy.idle_fractions(self.config.schedule.num_producers)
-        merged["buffer/dropped_stale_groups"] = driver.progress.dropped_stale_groups
-        driver.metrics.log("train", driver.step, merged)
-        if results[0].samples:
-            write_rollout_samples(driver.rollout_dir, driver.step, results[0].samples)
-        self._forget_untrainable_chunks()
-        self._maybe_checkpoint()
-        progress.update(1)
-        progress.set_postfix(reward=f"{merged['train/reward']:.3f}", loss=f"{merged['train/loss']:.4f}")
+        driver.progress.dropped_stale_groups += order.dropped_stale
+        schedule = step_metrics(order) | self.scheduler.metrics()
+        for index, steps in enumerate(zip(*results, strict=True)):
+            driver.progress.step += 1
+            self.busy.training_s += steps[0].metrics.get("time/train_step_s", 0.0)
+            merged = merge_rank_step_metrics([result.metrics for result in steps])
+            merged["train/data_indices"] = sorted(index for result in steps for index in result.data_indices)
+            merged |= schedule | self.busy.idle_fractions(self.config.schedule.num_producers)
+            merged["buffer/dropped_stale_groups"] = driver.progress.dropped_stale_groups
+            if index == len(results[0]) - 1:
+                merged["time/train_order_s"] = elapsed_s
+            driver.metrics.log("train", driver.step, merged)
+            if steps[0].samples:
+                write_rollout_samples(driver.rollout_dir, driver.step, steps[0].samples)
+            progress.update(1)
+            progress.set_postfix(reward=f"{merged['train/reward']:.3f}", loss=f"{merged['train/loss']:.4f}")
+        self._forget_trained_chunks()
+        self._maybe_checkpoint(progress)
 
-    def _forget_untrainable_chunks(self) -> None:
-        """Payload handles of chunks too stale to be trained any more: their objects can be freed."""
-        oldest_usable = self.scheduler.steps_done - self.config.schedule.max_staleness
-        for chunk_id in [c for c, result in self.chunks.items() if result.groups[0].policy_version < oldest_usable]:
+    def _forget_trained_chunks(self) -> None:
+        """Payload handles of chunks none of whose groups waits any more (trained or dropped): freed."""
+        waiting = {group.chunk_id for group in self.scheduler.waiting_groups()}
+        for chunk_id in [chunk_id for chunk_id in self.chunks if chunk_id not in waiting]:
             del self.chunks[chunk_id]
 
-    def _maybe_checkpoint(self) -> None:
-        """Save (``-si``) between two steps: trainers' state and the scheduler's snapshot. The weights the trainers
-        hold are version ``step`` here (versions count steps): a resume syncs them as that."""
+    def _maybe_checkpoint(self, progress) -> None:
+        """Save (``-si``) after a training order: trainers' state, the scheduler's snapshot and the rollouts of the
+        groups waiting. The weights the trainers hold are version ``scheduler.trainer_version``: a resume syncs
+        them as that. A scheduler that ``settles_before_snapshot`` has its chunks in flight waited for first."""
         driver = self.driver
-        if not driver.checkpoint_due(driver.step >= self.total_steps):
+        if not driver.checkpoint_due(self.scheduler.finished or driver.step >= self.total_steps):
             return
+        while self.scheduler.settles_before_snapshot and self._kinds("chunk"):
+            item = self._wait_one()
+            self._answer(item, gather(item.calls, driver.timeout), progress)
+        waiting = {group.chunk_id for group in self.scheduler.waiting_groups()}
         save_run(
             run_dir=driver.run_dir,
             config=self.config,
-            progress=dataclasses.replace(driver.progress, policy_version=driver.step),
+            progress=dataclasses.replace(driver.progress, policy_version=self.scheduler.trainer_version),
             trainers=driver.trainers,
-            buffer=driver.buffer,
-            produced_metrics={},
+            schedule=self.scheduler.snapshot(),
+            chunks={chunk_id: _saved(self.chunks[chunk_id], driver.timeout) for chunk_id in sorted(waiting)},
             timeout_s=driver.timeout,
-            stream_schedule=self.scheduler.snapshot(),
         )
         driver.last_saved_step = driver.step
 
@@ -361,6 +354,10 @@ class StreamLoop:
             driver.progress.eval_accuracy_before = accuracy
 
 
+def _saved(chunk: ChunkResult, timeout_s: float) -> SavedChunk:
+    return SavedChunk(ray.get(chunk.payload, timeout=timeout_s), chunk.batch_rows, chunk.producer_rank)
+
+
 def _lost(call) -> bool:
     """A finished call that failed because its producer died or was restarted."""
     ready, _ = ray.wait([call.ref], timeout=0)
@@ -368,7 +365,7 @@ def _lost(call) -> bool:
 
 
 def step_metrics(step: StepOrder) -> dict[str, float]:
-    """The step's groups by staleness (``schedule/step_staleness_<lag>`` counts, and the largest lag) and the
+    """The order's groups by staleness (``schedule/step_staleness_<lag>`` counts, and the largest lag) and the
     groups dropped as too stale while it was formed."""
     histogram = step.staleness()
     metrics = {f"schedule/step_staleness_{lag}": float(count) for lag, count in sorted(histogram.items())}
