@@ -22,6 +22,7 @@ import torch
 from run_processes import actor_pids, marked_env, new_marker
 
 from colossal_rl.metrics import read_metrics
+from colossal_rl.run_checkpoints import on_disk as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["-t", "2", "-i", "2", "-g", "4", "-ibs", "8", "-imbs", "4", "-tbs", "4", "-tMbs", "4", "-tmbs", "16"]
@@ -107,9 +108,11 @@ def test_a_stream_run_stays_within_the_staleness_bound_and_resumes_training_no_r
     assert [r["step"] for r in first if r["kind"] == "sync"] == [1, 2, 3, 4]
 
     checkpoint = run_dir / "checkpoints" / "step_000002"
-    snapshot = json.loads((checkpoint / "state.json").read_text())["stream_schedule"]
+    snapshot = json.loads((checkpoint / "state.json").read_text())["schedule"]
     assert snapshot["steps_done"] == 2
     assert snapshot["in_flight"] or snapshot["waiting"], "nothing was in flight at the checkpoint: a weak test"
+    usable = {group[0] for group in snapshot["waiting"] if 2 - group[3] <= 1}  # chunk ids of groups S=1 can train
+    assert set(ckpt.load_chunks(checkpoint)) == usable  # their rollouts are saved, and nothing else
     output, resumed = run_stream(tmp_path / "resumed", "--max-steps", "4", "-ei", "0", "-cp", str(checkpoint), *PADDED)
     before = [r for r in first if r["kind"] == "train" and r["step"] <= 2]
     after = [r for r in resumed if r["kind"] == "train"]
