@@ -555,13 +555,32 @@ class RewardConfig:
     max_infra_error_fraction: float = 0.5
     """Stop the run when more than this fraction of a producer's rewards so far (from 64 on) failed for
     infrastructure reasons (verifier down, plug-in raising): its results would mean nothing."""
+    mix: tuple[tuple[str, float], ...] = ()
+    """A weighted sum of named rewards, ``(spec, weight)`` pairs: a spec is a built-in reward type (``boxed``) or a
+    plug-in (``path/to/file.py:function``, ``module:function``), named by the type or the function; each component
+    is logged as ``rollout/reward_<name>_mean``. The first component's status and correctness are the sample's
+    (``rollout/accuracy``): list the verifiable reward first. Empty: the single reward of -rt/--reward-fn."""
 
     @property
     def label(self) -> str:
-        """Which reward scores, for messages: ``--reward-fn path/to/file.py:function`` or ``-rt boxed``."""
+        """Which reward scores, for messages: ``--reward-fn path/to/file.py:function``, ``-rt boxed`` or
+        ``--reward-mix boxed=1,style.py:style=0.3``."""
+        if self.mix:
+            return "--reward-mix " + ",".join(f"{spec}={weight:g}" for spec, weight in self.mix)
         return f"--reward-fn {self.reward_fn}" if self.reward_fn is not None else f"-rt {self.reward_type}"
 
+    @property
+    def mix_names(self) -> tuple[str, ...]:
+        """The mix's component names, in order (``rollout/reward_<name>_mean``)."""
+        return tuple(mix_component_name(spec) for spec, _ in self.mix)
+
+    @property
+    def mix_plugins(self) -> tuple[str, ...]:
+        """The mix's plug-in specs (every component that is not a built-in reward type)."""
+        return tuple(spec for spec, _ in self.mix if spec not in typing.get_args(RewardType))
+
     def validate(self) -> None:
+        self._validate_mix()
         _require(
             math.isfinite(self.reward_timeout_s) and self.reward_timeout_s > 0,
             "reward.reward_timeout_s",
@@ -572,6 +591,41 @@ class RewardConfig:
             "reward.max_infra_error_fraction",
             f"must be in [0, 1], got {self.max_infra_error_fraction}",
         )
+
+    def _validate_mix(self) -> None:
+        if not self.mix:
+            return
+        _require(self.reward_fn is None, "reward.mix", "replaces --reward-fn: put the plug-in in the mix instead")
+        for spec, weight in self.mix:
+            _require(
+                spec in typing.get_args(RewardType) or ":" in spec,
+                "reward.mix",
+                f"{spec!r} is neither a reward type ({', '.join(typing.get_args(RewardType))}) nor a plug-in "
+                "path/to/file.py:function or module:function",
+            )
+            _require(math.isfinite(weight), "reward.mix", f"{spec}'s weight must be a finite number, got {weight}")
+        _require(any(weight != 0 for _, weight in self.mix), "reward.mix", "needs at least one non-zero weight")
+        names = self.mix_names
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        _require(
+            not repeated,
+            "reward.mix",
+            f"component name(s) {', '.join(repeated)} repeat (a plug-in is named by its function): each is logged "
+            "as rollout/reward_<name>_mean, so rename one of the functions",
+        )
+        first_builtin = next((spec for spec, _ in self.mix if spec in typing.get_args(RewardType)), self.reward_type)
+        _require(
+            first_builtin == self.reward_type,
+            "reward.mix",
+            f"its first built-in reward is {first_builtin!r} but -rt is {self.reward_type!r}; -rt picks the system "
+            f"prompt and the answer field rows need, so add -rt {first_builtin}",
+        )
+
+
+def mix_component_name(spec: str) -> str:
+    """A reward-mix component's name: the built-in type (``boxed``) or the plug-in's function (``f.py:brevity`` ->
+    ``brevity``); the same rule as ``reward.combined.component_name`` (this module imports nothing of reward/)."""
+    return spec.rpartition(":")[2]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -142,9 +142,7 @@ def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
             return value
         raise _FieldError(path, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
     if typing.get_origin(annotation) is tuple:
-        if isinstance(value, list | tuple):
-            return tuple(value)
-        raise _FieldError(path, f"expected a list, got {value!r}")
+        return _coerce_tuple(value, typing.get_args(annotation), path, source)
     if annotation is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if annotation is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
@@ -155,6 +153,18 @@ def _coerce(value: Any, annotation: Any, path: str, source: str) -> Any:
     if annotation in (int, str, bool) and type(value) is annotation:
         return value
     raise _FieldError(path, f"expected {getattr(annotation, '__name__', annotation)}, got {value!r}")
+
+
+def _coerce_tuple(value: Any, item_types: tuple, path: str, source: str) -> tuple:
+    """A list as the tuple ``tuple[item_types]`` (``(X, ...)`` or fixed), each item coerced: ``[[boxed, 1]]`` ->
+    ``(("boxed", 1.0),)`` for ``reward.mix``."""
+    if not isinstance(value, list | tuple):
+        raise _FieldError(path, f"expected a list, got {value!r}")
+    if len(item_types) == 2 and item_types[1] is Ellipsis:
+        item_types = (item_types[0],) * len(value)
+    elif len(value) != len(item_types):
+        raise _FieldError(path, f"expected a list of {len(item_types)} items, got {value!r}")
+    return tuple(_coerce(item, item_type, path, source) for item, item_type in zip(value, item_types, strict=True))
 
 
 def load_config_file(path: str | Path, base: RLConfig | None = None) -> RLConfig:

@@ -51,6 +51,24 @@ class Flag:
         return long[2:].replace("-", "_")
 
 
+def parse_reward_mix(text: str) -> tuple[tuple[str, float], ...]:
+    """``--reward-mix boxed=1,my_rewards.py:brevity=0.2`` -> ``(("boxed", 1.0), ("my_rewards.py:brevity", 0.2))``;
+    ``""``: no mix. A malformed item raises ArgumentTypeError naming it (argparse names the flag)."""
+    return tuple(_mix_item(item) for item in filter(None, (part.strip() for part in text.split(","))))
+
+
+def _mix_item(item: str) -> tuple[str, float]:
+    spec, _, weight = item.rpartition("=")
+    try:
+        if spec.strip():
+            return spec.strip(), float(weight)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(
+        f"bad item {item!r}: expected SPEC=WEIGHT[,SPEC=WEIGHT...], e.g. boxed=1,my_rewards.py:brevity=0.2"
+    )
+
+
 def _algorithm_names() -> tuple[str, ...]:
     from colossal_rl.presets import PRESETS
 
@@ -152,6 +170,15 @@ FLAGS: tuple[Flag, ...] = (
         "reward.reward_fn",
         "User reward plug-in path/to/file.py:function or module:function (loaded and called on one row with "
         "an empty response before Ray starts).",
+    ),
+    Flag(
+        ("--reward-mix",),
+        "reward.mix",
+        "A weighted sum of named rewards, SPEC=WEIGHT[,SPEC=WEIGHT...] (e.g. boxed=1,my_rewards.py:brevity=0.2): a "
+        "SPEC is a reward type or a plug-in file.py:function / module:function; each is logged as "
+        "rollout/reward_<name>_mean (name: the type or the function). The first one's correctness is the sample's "
+        "(rollout/accuracy): list the verifiable reward first. Replaces --reward-fn.",
+        type=parse_reward_mix,
     ),
     Flag(("-cv", "--code-verifier-url"), "reward.code_verifier_url"),
     Flag(("--reward-timeout",), "reward.reward_timeout_s"),

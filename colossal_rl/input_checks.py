@@ -1,8 +1,9 @@
 """What a run reads, checked before Ray starts, so that a mistake costs seconds and one line naming it.
 
 Datasets parse (each row with what the reward needs), the model is a local directory or a hub name that
-is cached or reachable, and a ``--reward-fn`` plug-in loads and scores one row. The training set is read
-here once; its size is what the driver plans its rounds with. Torch-free: the driver runs it.
+is cached or reachable, and every reward plug-in (``--reward-fn``, ``--reward-mix``) loads and scores one row.
+The training set is read here once; its size is what the driver plans its rounds with. Torch-free: the driver
+runs it.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ def check_inputs(config: RLConfig) -> CheckedInputs:
         sources[path] = load_prompt_rows(path, keys)
     check_model(config.model.path)
     check_images(config, sources, model_is_vision_language(config.model.path))
-    if config.reward.reward_fn is not None:
-        check_reward_plugin(
-            config.reward.reward_fn, train_rows[0], config.data.train_path, config.reward.reward_timeout_s
-        )
+    plugins = [("--reward-fn", config.reward.reward_fn)] if config.reward.reward_fn is not None else []
+    plugins += [("--reward-mix", spec) for spec in config.reward.mix_plugins]
+    for flag, spec in plugins:
+        check_reward_plugin(spec, train_rows[0], config.data.train_path, config.reward.reward_timeout_s, flag=flag)
     if config.environment.name is not None:
         check_environment_spec(config, train_rows[0])
         check_episode_fits_vllm(config)
@@ -135,7 +136,7 @@ def _resolve(path: str, base: Path) -> Path:
     return candidate if candidate.is_absolute() else base / candidate
 
 
-def check_reward_plugin(spec: str, row: dict, source: str, timeout_s: float) -> None:
+def check_reward_plugin(spec: str, row: dict, source: str, timeout_s: float, flag: str = "--reward-fn") -> None:
     """The plug-in loads, has the right signature, and scores one training row (an empty response) without
     raising, within ``timeout_s`` (in a worker process, as in the run): the user's own code, checked here so a
     mistake costs seconds instead of a run of infra errors."""
@@ -144,7 +145,7 @@ def check_reward_plugin(spec: str, row: dict, source: str, timeout_s: float) -> 
     try:
         function = load_reward_fn(spec)
     except RewardConfigError as error:
-        raise InputError(f"--reward-fn: {error}") from None
+        raise InputError(f"{flag}: {error}") from None
     scorer = PluginScorer(function, spec, timeout_s=timeout_s, num_workers=1)
     try:
         record = scorer.score_batch([""], [row])[0]
@@ -152,7 +153,7 @@ def check_reward_plugin(spec: str, row: dict, source: str, timeout_s: float) -> 
         scorer.close()
     if record.status == "infra_error":
         raise InputError(
-            f"--reward-fn {spec!r}: scoring an empty response to the first row of {source} failed: "
+            f"{flag} {spec!r}: scoring an empty response to the first row of {source} failed: "
             f"{record.details.get('error')}"
         )
 

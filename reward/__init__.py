@@ -1,4 +1,5 @@
-"""Verifiable rewards: math answers (``boxed``, ``think_answer_tags``), code (``code``), user plug-ins.
+"""Verifiable rewards: math answers (``boxed``, ``think_answer_tags``), code (``code``), user plug-ins, and weighted
+sums of them (``reward_mix``).
 
 Usage::
 
@@ -12,6 +13,7 @@ killable worker processes and programs run in a bubblewrap sandbox, with no sign
 the calling process. Importing this package imports neither math-verify nor sympy.
 """
 
+from .combined import CombinedScorer
 from .factory import REWARD_TYPES, RewardScorer, build_reward_scorer
 from .math_scorer import MathRewardConfig
 from .records import (
@@ -29,6 +31,7 @@ from .user_functions import RewardConfigError
 
 __all__ = [
     "AMBIGUOUS_ANSWER",
+    "CombinedScorer",
     "FORMAT_ERROR",
     "INFRA_ERROR",
     "OK",

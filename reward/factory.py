@@ -4,26 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from .code_runner import LocalCodeRunner, RemoteCodeRunner
 from .code_scorer import CodeScorer
+from .combined import CombinedScorer, Component, component_name
 from .math_scorer import EXTRACTORS, MathRewardConfig, MathScorer
-from .records import RewardRecord
 from .sandbox import SandboxConfig
+from .scorer import RewardScorer
 from .user_functions import PluginScorer, RewardConfigError, load_reward_fn
 
 REWARD_TYPES = (*EXTRACTORS, "code")
 TOKEN_ENV = "COLOSSAL_RL_VERIFIER_TOKEN"
 TOKEN_FILE_ENV = "COLOSSAL_RL_VERIFIER_TOKEN_FILE"
 _REMOTE_OPTIONS = {"verifier_token", "verifier_token_file", "verifier_timeout_s", "verifier_concurrency"}
-
-
-class RewardScorer(Protocol):
-    def score_batch(self, responses: list[str], rows: list[dict[str, Any]]) -> list[RewardRecord]: ...
-
-    def close(self) -> None: ...
 
 
 def _make_config(cls: type, options: dict[str, Any], what: str):
@@ -73,6 +69,7 @@ def build_reward_scorer(
     reward_fn: str | None = None,
     reward_timeout_s: float = 10.0,
     reward_batch_budget_s: float | None = None,
+    reward_mix: Sequence[tuple[str, float]] = (),
     **options: Any,
 ) -> RewardScorer:
     """A scorer for ``reward_type``; ``reward_fn`` (a user plug-in) replaces the built-in scorer, each call run in a
@@ -82,8 +79,16 @@ def build_reward_scorer(
     Options: math types take :class:`MathRewardConfig` fields (``timeout_s``, ``num_workers``, ...);
     ``code`` takes :class:`SandboxConfig` fields, or with ``code_verifier_url`` the client options
     ``verifier_token``, ``verifier_token_file``, ``verifier_timeout_s``, ``verifier_concurrency``.
+    ``reward_mix``: ``(spec, weight)`` pairs, each spec a reward type or a plug-in spec; the scorer is their weighted
+    sum (:class:`~.combined.CombinedScorer`, the first component's status and answer_ok), built-in components with
+    their default options (``code_verifier_url`` goes to a ``code`` component), plug-ins bounded as ``reward_fn`` is.
     Raises :class:`RewardConfigError` for anything invalid.
     """
+    if reward_mix:
+        if reward_fn is not None or options:
+            given = ["reward_fn"] * (reward_fn is not None) + sorted(options)
+            raise RewardConfigError(f"{given} do not apply with reward_mix: put a plug-in in the mix itself")
+        return _combined_scorer(reward_mix, code_verifier_url, reward_timeout_s, reward_batch_budget_s)
     if reward_fn is not None:
         if options:
             raise RewardConfigError(f"options {sorted(options)} do not apply to a reward_fn plug-in")
@@ -98,3 +103,36 @@ def build_reward_scorer(
         raise RewardConfigError(f"code_verifier_url applies to reward_type 'code', not {reward_type!r}")
     config = _make_config(MathRewardConfig, options, f"reward type {reward_type!r}")
     return MathScorer(reward_type, config)
+
+
+def _combined_scorer(
+    reward_mix: Sequence[tuple[str, float]],
+    code_verifier_url: str | None,
+    reward_timeout_s: float,
+    reward_batch_budget_s: float | None,
+) -> CombinedScorer:
+    """The weighted sum of ``reward_mix``'s scorers; components already built are closed if a later one fails."""
+    specs = [spec for spec, _ in reward_mix]
+    if code_verifier_url is not None and "code" not in specs:
+        raise RewardConfigError(f"code_verifier_url applies to a 'code' component, and the mix is {specs}")
+    components: list[Component] = []
+    try:
+        for spec, weight in reward_mix:
+            if spec in REWARD_TYPES:
+                url = code_verifier_url if spec == "code" else None
+                scorer = build_reward_scorer(spec, url, reward_timeout_s=reward_timeout_s)
+            elif ":" in spec:
+                scorer = build_reward_scorer(
+                    reward_fn=spec, reward_timeout_s=reward_timeout_s, reward_batch_budget_s=reward_batch_budget_s
+                )
+            else:
+                raise RewardConfigError(
+                    f"reward mix component {spec!r}: neither a reward type {list(REWARD_TYPES)} nor a plug-in "
+                    "'path/to/file.py:function' or 'module:function'"
+                )
+            components.append(Component(component_name(spec), float(weight), scorer))
+        return CombinedScorer(components)
+    except BaseException:
+        for component in components:
+            component.scorer.close()
+        raise

@@ -956,6 +956,25 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_round_loop_decisions.py::test_a_checkpoint_waits_for_the_round_in_flight_and_saves_every_untrained_rollout",
         ),
     ),
+    Mutation(
+        name="reward_mix_ignores_weights",
+        why="--reward-mix adds the components' rewards up unweighted (a 0.2 style bonus counts as much as correctness)",
+        path="reward/combined.py",
+        old="    total = sum(weight * record.reward for (_, weight), record in zip(components, records, strict=True))\n",
+        new="    total = sum(record.reward for record in records)\n",
+        tests=(
+            "tests/unit/test_reward_mix.py::test_the_reward_is_the_weighted_sum_and_the_first_component_decides_status",
+            "tests/unit/test_reward_mix.py::test_a_producer_logs_each_components_mean[None]",
+        ),
+    ),
+    Mutation(
+        name="reward_mix_hides_a_later_components_infra_error",
+        why="only the first --reward-mix component's infra_error masks a sample: a crashed judge scores 0 and is trained on",
+        path="reward/combined.py",
+        old="    for (name, _), record in zip(components, records, strict=True):\n        if record.status == INFRA_ERROR:\n",
+        new="    for (name, _), record in zip(components[:1], records[:1], strict=True):\n        if record.status == INFRA_ERROR:\n",
+        tests=("tests/unit/test_reward_mix.py::test_a_component_that_cannot_score_makes_the_sample_an_infra_error",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -109,6 +109,7 @@ class ProducerActor:
                 reward_fn=reward.reward_fn,
                 reward_timeout_s=reward.reward_timeout_s,
                 reward_batch_budget_s=config.run.timeout_s * REWARD_SHARE_OF_TIMEOUT,
+                reward_mix=reward.mix,
             )
         self.rank = rank
         self.config = config

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from colossal_rl.comm.weight_sync.stages import GPU_ONLY_TRANSPORTS
@@ -67,6 +67,8 @@ class Placement:
     producers: tuple[ActorPlacement, ...]
     trainers: tuple[ActorPlacement, ...]
     uses_gpus: bool
+    reward_actors: tuple[ActorPlacement, ...] = ()
+    """``-rt model``: the reward-model actors (``--reward-actors``), one GPU each where there are GPUs."""
 
     @property
     def trainer_master_address(self) -> str:
@@ -163,18 +165,23 @@ def check_transport_for_cluster(transport: str, ray_nodes: Iterable[Mapping[str,
         )
 
 
-def plan_placement(nodes: list[NodeInfo], *, num_producers: int, producer_gpus: int, num_trainers: int) -> Placement:
-    """Producers (``producer_gpus`` GPUs each, on one node) then trainers (1 GPU each), first fit in node order."""
+def plan_placement(
+    nodes: list[NodeInfo], *, num_producers: int, producer_gpus: int, num_trainers: int, num_reward_actors: int = 0
+) -> Placement:
+    """Producers (``producer_gpus`` GPUs each, on one node), trainers (1 GPU each), then reward-model actors (1 GPU
+    each), first fit in node order."""
     if not nodes:
         raise PlacementError("the Ray cluster has no alive nodes")
     if any(node.num_gpus > 0 for node in nodes):
-        return _plan_gpus(nodes, num_producers, producer_gpus, num_trainers)
+        return _plan_gpus(nodes, num_producers, producer_gpus, num_trainers, num_reward_actors)
     if producer_gpus > 1:
         raise PlacementError(f"-ptp {producer_gpus}: tensor-parallel producers need GPUs; the cluster has none")
-    return _plan_cpus(nodes, num_producers, num_trainers)
+    return _plan_cpus(nodes, num_producers, num_trainers, num_reward_actors)
 
 
-def _plan_gpus(nodes: list[NodeInfo], num_producers: int, producer_gpus: int, num_trainers: int) -> Placement:
+def _plan_gpus(
+    nodes: list[NodeInfo], num_producers: int, producer_gpus: int, num_trainers: int, num_reward_actors: int = 0
+) -> Placement:
     free = [node.num_gpus for node in nodes]
 
     def take(count: int, what: str) -> ActorPlacement:
@@ -182,24 +189,31 @@ def _plan_gpus(nodes: list[NodeInfo], num_producers: int, producer_gpus: int, nu
             if free[index] >= count:
                 free[index] -= count
                 return ActorPlacement(node.node_id, node.address, count, hard=True)
+        wanted = num_producers * producer_gpus + num_trainers + num_reward_actors
+        rewards = f" + {num_reward_actors} reward actors x 1 GPU" if num_reward_actors else ""
         raise PlacementError(
             f"no node has {count} free GPU(s) for {what}: {num_producers} producers x {producer_gpus} GPUs "
-            f"(one node each) + {num_trainers} trainers x 1 GPU = {num_producers * producer_gpus + num_trainers} "
+            f"(one node each) + {num_trainers} trainers x 1 GPU{rewards} = {wanted} "
             f"GPUs wanted; the nodes have {[node.num_gpus for node in nodes]} GPUs"
         )
 
     producers = tuple(take(producer_gpus, f"producer {rank}") for rank in range(num_producers))
     trainers = tuple(take(1, f"trainer {rank}") for rank in range(num_trainers))
-    return Placement(producers, trainers, uses_gpus=True)
+    rewards = tuple(take(1, f"reward actor {index}") for index in range(num_reward_actors))
+    return Placement(producers, trainers, uses_gpus=True, reward_actors=rewards)
 
 
-def _plan_cpus(nodes: list[NodeInfo], num_producers: int, num_trainers: int) -> Placement:
+def _plan_cpus(nodes: list[NodeInfo], num_producers: int, num_trainers: int, num_reward_actors: int = 0) -> Placement:
     """One CPU per actor in node order; past the cluster's CPUs the rest prefer the last node."""
     slots = [node for node in nodes for _ in range(max(node.num_cpus, 0))]
-    wanted = num_producers + num_trainers
+    wanted = num_producers + num_trainers + num_reward_actors
     slots += [nodes[-1]] * max(0, wanted - len(slots))
     chosen = [ActorPlacement(node.node_id, node.address, 0, hard=False) for node in slots[:wanted]]
-    return Placement(tuple(chosen[:num_producers]), tuple(chosen[num_producers:]), uses_gpus=False)
+    trainers_end = num_producers + num_trainers
+    return Placement(
+        tuple(chosen[:num_producers]), tuple(chosen[num_producers:trainers_end]), uses_gpus=False,
+        reward_actors=tuple(chosen[trainers_end:]),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -211,18 +225,26 @@ class ActorOptions:
     trainer_master_address: str
     producer_nodes: list[tuple[str, str]]
     """(node id, address) of the nodes the producers are placed on (preferred, on CPUs), each once, in order."""
+    reward_actors: list[dict[str, Any]] = field(default_factory=list)
 
 
 def actor_options(
-    ray_nodes: Iterable[Mapping[str, Any]], *, num_producers: int, producer_gpus: int, num_trainers: int
+    ray_nodes: Iterable[Mapping[str, Any]],
+    *,
+    num_producers: int,
+    producer_gpus: int,
+    num_trainers: int,
+    num_reward_actors: int = 0,
 ) -> ActorOptions:
     """From ``ray.nodes()`` to the options every actor is created with."""
     placement = plan_placement(
-        alive_nodes(ray_nodes), num_producers=num_producers, producer_gpus=producer_gpus, num_trainers=num_trainers
-    )
+        alive_nodes(ray_nodes), num_producers=num_producers, producer_gpus=producer_gpus, num_trainers=num_trainers,
+        num_reward_actors=num_reward_actors,
+    )  # fmt: skip
     return ActorOptions(
         producers=[p.ray_options() for p in placement.producers],
         trainers=[t.ray_options() for t in placement.trainers],
         trainer_master_address=placement.trainer_master_address,
         producer_nodes=list(dict.fromkeys((p.node_id, p.address) for p in placement.producers)),
+        reward_actors=[r.ray_options() for r in placement.reward_actors],
     )

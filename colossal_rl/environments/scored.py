@@ -13,14 +13,19 @@ from typing import Any
 from colossal_rl.data import build_messages
 from colossal_rl.environments.base import EnvironmentContext, Message, StepResult
 from colossal_rl.environments.tool_calls import Tool, parse_tool_calls, run_calls
+from colossal_rl.reward.combined import COMPONENTS
+
+REWARD_COMPONENTS = "reward_components"
+"""A final step's ``info`` key: a reward mix's component rewards (``Episode.reward_components``)."""
 
 
 def score_final_answer(context: EnvironmentContext, text: str, row: dict[str, Any]) -> StepResult:
     """The episode's end: ``text`` scored against ``row`` by the run's reward scorer."""
     record = context.reward_scorer.score_batch([text], [row])[0]
-    return StepResult(
-        reward=float(record.reward), done=True, info={"status": record.status, "answer_ok": bool(record.answer_ok)}
-    )
+    info = {"status": record.status, "answer_ok": bool(record.answer_ok)}
+    if COMPONENTS in record.details:  # a --reward-mix: each component's reward, for rollout/reward_<name>_mean
+        info[REWARD_COMPONENTS] = dict(record.details[COMPONENTS])
+    return StepResult(reward=float(record.reward), done=True, info=info)
 
 
 class SingleTurnEnvironment:

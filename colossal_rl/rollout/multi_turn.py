@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from colossal_rl.environments.base import Environment, StepResult
+from colossal_rl.environments.scored import REWARD_COMPONENTS
 from colossal_rl.rollout.backend import InferenceBackend, SamplingSettings
 from colossal_rl.rollout.chat_turns import ChatTurns, episode_tools
 
@@ -82,6 +83,8 @@ class Episode:
     """Each policy turn's decoded text, as the environment saw it."""
     environment_error: str = ""
     """What the environment raised (``step`` or ``close``), ``"Type: message"``; empty when it raised nothing."""
+    reward_components: dict[str, float] = field(default_factory=dict)
+    """A ``--reward-mix``'s component rewards (the final step's ``info["reward_components"]``); empty otherwise."""
 
 
 @dataclass
@@ -267,6 +270,7 @@ def _finish(episode: _Running) -> Episode:
         turns=tuple(episode.turns),
         turn_texts=tuple(episode.texts),
         environment_error=episode.error,
+        reward_components=dict(episode.info.get(REWARD_COMPONENTS, {})),
     )
 
 

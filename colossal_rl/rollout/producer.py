@@ -26,6 +26,8 @@ from colossal_rl.data import ImagePrompting, PromptDataset, load_prompt_dataset
 from colossal_rl.data_sources import RowKeys
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.prompts import system_prompt_for
+from colossal_rl.reward.combined import COMPONENTS, component_means
+from colossal_rl.reward.records import INFRA_ERROR
 from colossal_rl.rollout.backend import (
     VLLM_DTYPES,
     GenerationOutput,
@@ -252,6 +254,9 @@ class Producer:
         rows = [self.train_data.rows[i] for i in row_indices for _ in range(group_size)]
         with self.phases.record("reward", self.config.reward.label):
             records = self._score(output.responses, rows)
+        metrics |= self._reward_component_metrics(
+            [r.details.get(COMPONENTS, {}) for r in records if r.status != INFRA_ERROR]
+        )
         if output.token_versions is not None:  # partial rollouts: responses that span a weight sync
             responses, tokens = multi_version_fractions(output.token_versions, output.response_mask)
             metrics["rollout/multi_version_fraction"] = responses
@@ -299,6 +304,9 @@ class Producer:
             rows = [self.train_data.rows[i] for i in row_indices]
             output = self.environments.run(self.backend, rows, group_size, self._train_sampling())
         metrics = {"time/generate_s": time.perf_counter() - started, **turn_metrics(output.episodes)}
+        metrics |= self._reward_component_metrics(
+            [e.reward_components for e in output.episodes if e.status != INFRA_ERROR]
+        )
         self._count_statuses([e.status for e in output.episodes])
         batch = episodes_batch(
             output,
@@ -309,6 +317,12 @@ class Producer:
             **fields,
         )
         return batch, metrics
+
+    def _reward_component_metrics(self, scored_components: list[dict[str, float]]) -> dict[str, float]:
+        """``rollout/reward_<name>_mean`` of each ``--reward-mix`` component over the samples without infra errors
+        (``scored_components``: each one's component rewards); none without a mix."""
+        means = component_means(scored_components, self.config.reward.mix_names)
+        return {f"rollout/reward_{name}_mean": mean for name, mean in means.items()}
 
     def _score(self, responses: list[str], rows: list[dict]) -> list:
         records = self.reward_scorer.score_batch(responses, rows)

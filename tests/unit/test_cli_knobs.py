@@ -80,6 +80,7 @@ FLAG_PROBES = {
     "limit_images": (["--limit-images", "1"], "data.limit_images"),
     "reward_type": (["-rt", "think_answer_tags"], "reward.reward_type"),
     "reward_fn": (["--reward-fn", "my_reward.py:score"], "reward.reward_fn"),
+    "reward_mix": (["--reward-mix", "boxed=1,my_reward.py:style=0.3"], "reward.mix"),
     "code_verifier_url": (["-cv", "http://localhost:8000"], "reward.code_verifier_url"),
     "env": (["--env", "calculator"], "environment.name"),
     "max_turns": (["--max-turns", "2"], "environment.max_turns"),

@@ -172,3 +172,14 @@ def test_threads_split_the_cores_evenly_unless_given():
     assert threads_per_actor(2, 2, 2) == (1, 1)  # never 0, even with more actors than cores
     assert threads_per_actor(2, 1, 1, trainer_threads=2) == (1, 2)
     assert threads_per_actor(8, 1, 1, producer_threads=1, trainer_threads=6) == (1, 6)
+
+
+def test_reward_actors_take_one_gpu_each_after_the_trainers_and_a_cpu_slot_without_gpus():
+    placement = plan_placement(nodes(4, 2), num_producers=2, producer_gpus=1, num_trainers=2, num_reward_actors=2)
+    assert [(a.node_id, a.num_gpus, a.hard) for a in placement.reward_actors] == [("n1", 1, True), ("n1", 1, True)]
+    with pytest.raises(PlacementError, match=r"reward actor 1: .* \+ 2 reward actors x 1 GPU = 6 GPUs wanted"):
+        plan_placement(nodes(4, 1), num_producers=2, producer_gpus=1, num_trainers=2, num_reward_actors=2)
+    cpus = plan_placement([NodeInfo("n0", "10.0.0.0", 4, 0, True)], num_producers=2, producer_gpus=1, num_trainers=1,
+                          num_reward_actors=1)  # fmt: skip
+    assert [(a.num_gpus, a.hard) for a in cpus.reward_actors] == [(0, False)] and len(cpus.trainers) == 1
+    assert plan_placement(nodes(4), num_producers=2, producer_gpus=1, num_trainers=2).reward_actors == ()
