@@ -37,11 +37,15 @@ Precision = Literal["fp32", "bf16", "fp16"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
 """``parallel.precision`` as configured: a precision, or ``auto`` (follow the trainers' device)."""
 # Names of registry entries, written here so the config imports no torch (nor reward/); test_config_names.py
-# checks each against its registry: LOSS_AGGREGATIONS, KL_ESTIMATORS, reward.REWARD_TYPES, LR_SCHEDULES,
+# checks each against its registry: LOSS_AGGREGATIONS, KL_ESTIMATORS, reward.REWARD_TYPES, NORMALISATIONS, LR_SCHEDULES,
 # training.sequence_layout.SEQUENCE_LAYOUTS (+ auto), training.objective.OBJECTIVES.
 LossAggregation = Literal["token_level", "sample_level", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
-RewardType = Literal["boxed", "think_answer_tags", "code"]
+RewardType = Literal["boxed", "think_answer_tags", "code", "model", "judge"]
+SERVED_REWARD_TYPES = ("model", "judge")
+"""Reward types scored by a model rather than a verifier: ``model`` on the reward actors, ``judge`` there too unless
+``--judge-url`` sends it to an endpoint. They define no answer format: -rt's system prompt for them is generic."""
+RewardNormalisation = Literal["raw", "sigmoid", "tanh", "clip"]
 LrSchedule = Literal["constant", "cosine"]
 LR_SCHEDULE_NAMES: tuple[str, ...] = typing.get_args(LrSchedule)
 ScheduleMode = Literal["rounds", "stream"]
@@ -560,6 +564,33 @@ class RewardConfig:
     plug-in (``path/to/file.py:function``, ``module:function``), named by the type or the function; each component
     is logged as ``rollout/reward_<name>_mean``. The first component's status and correctness are the sample's
     (``rollout/accuracy``): list the verifiable reward first. Empty: the single reward of -rt/--reward-fn."""
+    reward_model: str | None = None
+    """``-rt model`` (or ``model`` in ``--reward-mix``): a Hugging Face sequence-classification reward model (a local
+    path or a hub name), one score per sample, the prompt and response rendered through its own chat template."""
+    reward_actors: int = 1
+    """Reward actors a served reward (``model``, or a ``judge`` without ``--judge-url``) runs on; each batches the
+    requests of every producer (one GPU each where there are GPUs); producer ``p`` uses actor ``p mod N``."""
+    reward_normalisation: RewardNormalisation = "sigmoid"
+    """How a reward model's raw logit becomes the reward: ``sigmoid`` (in (0, 1), the Bradley-Terry win probability;
+    ``answer_ok`` above 0.5), ``raw``, ``tanh`` or ``clip`` (to [-5, 5]). GRPO's group normalisation makes any affine
+    change irrelevant; a bounded score mixes with 0/1 verifiable rewards on one scale."""
+    reward_batch_size: int = 64
+    """Samples a reward actor scores in one forward pass, gathered from every producer's requests."""
+    judge_template: str | None = None
+    """``-rt judge``: a text file, the judge's prompt with fields ``{prompt}``, ``{response}`` (required) and
+    ``{reference}`` (the row's answer); ``{{`` and ``}}`` for literal braces around a field name."""
+    judge_rule: str = "number"
+    """How the judge's verdict becomes a score in [0, 1]: ``number`` (0..1), ``number:LO,HI`` (mapped from LO..HI),
+    or ``choice:yes=1,no=0``; a verdict that does not parse is an infra_error, counted, never a silent 0."""
+    judge_url: str | None = None
+    """An OpenAI-compatible endpoint serving the judge (``http://host:port/v1``); None: the judge model runs on the
+    reward actors."""
+    judge_model: str | None = None
+    """With ``--judge-url``: the model name asked for; without: the judge model's path or hub name."""
+    judge_token_file: str | None = None
+    """A file holding the judge endpoint's bearer token."""
+    judge_concurrency: int = 8
+    """Requests in flight to the judge endpoint at most, per producer."""
 
     @property
     def label(self) -> str:
@@ -568,6 +599,24 @@ class RewardConfig:
         if self.mix:
             return "--reward-mix " + ",".join(f"{spec}={weight:g}" for spec, weight in self.mix)
         return f"--reward-fn {self.reward_fn}" if self.reward_fn is not None else f"-rt {self.reward_type}"
+
+    @property
+    def uses(self) -> frozenset[str]:
+        """The reward types the run scores with: ``-rt``'s alone, or every built-in type in the mix."""
+        if self.mix:
+            return frozenset(spec for spec, _ in self.mix if spec in typing.get_args(RewardType))
+        return frozenset() if self.reward_fn is not None else frozenset({self.reward_type})
+
+    @property
+    def served(self) -> str | None:
+        """The reward the reward actors serve: ``model``, ``judge`` (without ``--judge-url``), or None (no actors)."""
+        if "model" in self.uses:
+            return "model"
+        return "judge" if "judge" in self.uses and self.judge_url is None else None
+
+    @property
+    def num_reward_actors(self) -> int:
+        return self.reward_actors if self.served is not None else 0
 
     @property
     def mix_names(self) -> tuple[str, ...]:
@@ -581,6 +630,7 @@ class RewardConfig:
 
     def validate(self) -> None:
         self._validate_mix()
+        self._validate_served()
         _require(
             math.isfinite(self.reward_timeout_s) and self.reward_timeout_s > 0,
             "reward.reward_timeout_s",
@@ -613,13 +663,44 @@ class RewardConfig:
             f"component name(s) {', '.join(repeated)} repeat (a plug-in is named by its function): each is logged "
             "as rollout/reward_<name>_mean, so rename one of the functions",
         )
-        first_builtin = next((spec for spec, _ in self.mix if spec in typing.get_args(RewardType)), self.reward_type)
+        verifiable = [spec for spec, _ in self.mix if spec in typing.get_args(RewardType)]
+        first_builtin = next((spec for spec in verifiable if spec not in SERVED_REWARD_TYPES), self.reward_type)
         _require(
-            first_builtin == self.reward_type,
+            first_builtin == self.reward_type or self.reward_type in SERVED_REWARD_TYPES,
             "reward.mix",
             f"its first built-in reward is {first_builtin!r} but -rt is {self.reward_type!r}; -rt picks the system "
             f"prompt and the answer field rows need, so add -rt {first_builtin}",
         )
+
+    def _validate_served(self) -> None:
+        """Model-scored rewards: what each needs, and what applies only to them."""
+        uses = self.uses
+        _require(
+            ("model" in uses) == (self.reward_model is not None),
+            "reward.reward_model",
+            "-rt model (or model in --reward-mix) needs --reward-model PATH_OR_NAME"
+            if "model" in uses
+            else "applies to -rt model or model in --reward-mix",
+        )
+        if "judge" in uses:
+            _require(self.judge_template is not None, "reward.judge_template", "-rt judge needs --judge-template FILE")
+            _require(
+                self.judge_model is not None,
+                "reward.judge_model",
+                "-rt judge needs --judge-model: the endpoint's model name with --judge-url, else the judge's path",
+            )
+        else:
+            given = [name for name in ("judge_template", "judge_url", "judge_model", "judge_token_file")
+                     if getattr(self, name) is not None]  # fmt: skip
+            _require(not given, f"reward.{given[0] if given else ''}", "applies to -rt judge or judge in --reward-mix")
+        _require(
+            not ("model" in uses and "judge" in uses and self.judge_url is None),
+            "reward.judge_url",
+            "the reward actors serve one model: with both model and judge, send the judge to --judge-url",
+        )
+        for name in ("reward_actors", "reward_batch_size", "judge_concurrency"):
+            _require(getattr(self, name) >= 1, f"reward.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _require_choice(self.reward_normalisation, RewardNormalisation, "reward.reward_normalisation")
 
 
 def mix_component_name(spec: str) -> str:

@@ -46,8 +46,8 @@ class RowKeys:
 
     @staticmethod
     def required_for_reward(reward_type: str, reward_fn: str | None) -> str | None:
-        if reward_fn is not None:
-            return None  # a plug-in reads whatever it reads
+        if reward_fn is not None or reward_type in ("model", "judge"):
+            return None  # a plug-in reads whatever it reads; a judge's {reference} is checked per sample
         return "test_cases" if reward_type == "code" else "gt_answer"
 
     @classmethod

@@ -17,6 +17,8 @@ DEFAULT_SYSTEM_PROMPTS: dict[str, str] = {
         "You are a helpful programming assistant. Solve the problem in Python 3. The program reads from "
         "standard input and writes to standard output. Put the complete program in one ```python code block."
     ),
+    "model": "You are a helpful assistant.",  # a reward model (or a judge) asks for no answer format
+    "judge": "You are a helpful assistant.",
 }
 
 

@@ -1,5 +1,6 @@
-"""Verifiable rewards: math answers (``boxed``, ``think_answer_tags``), code (``code``), user plug-ins, and weighted
-sums of them (``reward_mix``).
+"""Rewards: math answers (``boxed``, ``think_answer_tags``), code (``code``), user plug-ins, rewards scored by a model
+(``model``: a reward model; ``judge``: a generative judge, :mod:`.model_rewards`), and weighted sums of them
+(``reward_mix``).
 
 Usage::
 
@@ -16,6 +17,7 @@ the calling process. Importing this package imports neither math-verify nor symp
 from .combined import CombinedScorer
 from .factory import REWARD_TYPES, RewardScorer, build_reward_scorer
 from .math_scorer import MathRewardConfig
+from .model_rewards import JudgeSettings, build_served_scorer
 from .records import (
     AMBIGUOUS_ANSWER,
     FORMAT_ERROR,
@@ -34,6 +36,7 @@ __all__ = [
     "CombinedScorer",
     "FORMAT_ERROR",
     "INFRA_ERROR",
+    "JudgeSettings",
     "OK",
     "REWARD_TYPES",
     "STATUSES",
@@ -45,4 +48,5 @@ __all__ = [
     "RewardScorer",
     "SandboxConfig",
     "build_reward_scorer",
+    "build_served_scorer",
 ]

@@ -12,11 +12,12 @@ from .code_runner import LocalCodeRunner, RemoteCodeRunner
 from .code_scorer import CodeScorer
 from .combined import CombinedScorer, Component, component_name
 from .math_scorer import EXTRACTORS, MathRewardConfig, MathScorer
+from .model_rewards import MODEL_REWARD_TYPES, JudgeSettings, build_model_reward_scorer
 from .sandbox import SandboxConfig
 from .scorer import RewardScorer
 from .user_functions import PluginScorer, RewardConfigError, load_reward_fn
 
-REWARD_TYPES = (*EXTRACTORS, "code")
+REWARD_TYPES = (*EXTRACTORS, "code", *MODEL_REWARD_TYPES)
 TOKEN_ENV = "COLOSSAL_RL_VERIFIER_TOKEN"
 TOKEN_FILE_ENV = "COLOSSAL_RL_VERIFIER_TOKEN_FILE"
 _REMOTE_OPTIONS = {"verifier_token", "verifier_token_file", "verifier_timeout_s", "verifier_concurrency"}
@@ -70,6 +71,8 @@ def build_reward_scorer(
     reward_timeout_s: float = 10.0,
     reward_batch_budget_s: float | None = None,
     reward_mix: Sequence[tuple[str, float]] = (),
+    served: RewardScorer | None = None,
+    judge: JudgeSettings | None = None,
     **options: Any,
 ) -> RewardScorer:
     """A scorer for ``reward_type``; ``reward_fn`` (a user plug-in) replaces the built-in scorer, each call run in a
@@ -82,13 +85,16 @@ def build_reward_scorer(
     ``reward_mix``: ``(spec, weight)`` pairs, each spec a reward type or a plug-in spec; the scorer is their weighted
     sum (:class:`~.combined.CombinedScorer`, the first component's status and answer_ok), built-in components with
     their default options (``code_verifier_url`` goes to a ``code`` component), plug-ins bounded as ``reward_fn`` is.
+    ``model`` and ``judge`` (:mod:`.model_rewards`): ``served`` is the producer's client to the run's reward actors,
+    ``judge`` the judge's settings (an endpoint judge is asked from here).
     Raises :class:`RewardConfigError` for anything invalid.
     """
     if reward_mix:
         if reward_fn is not None or options:
             given = ["reward_fn"] * (reward_fn is not None) + sorted(options)
             raise RewardConfigError(f"{given} do not apply with reward_mix: put a plug-in in the mix itself")
-        return _combined_scorer(reward_mix, code_verifier_url, reward_timeout_s, reward_batch_budget_s)
+        models = {"served": served, "judge": judge}
+        return _combined_scorer(reward_mix, code_verifier_url, reward_timeout_s, reward_batch_budget_s, models)
     if reward_fn is not None:
         if options:
             raise RewardConfigError(f"options {sorted(options)} do not apply to a reward_fn plug-in")
@@ -97,6 +103,12 @@ def build_reward_scorer(
         )
     if reward_type not in REWARD_TYPES:
         raise RewardConfigError(f"unknown reward_type {reward_type!r}; expected one of {list(REWARD_TYPES)}")
+    if reward_type in MODEL_REWARD_TYPES:
+        if options or code_verifier_url is not None:
+            raise RewardConfigError(f"options {sorted(options)} / code_verifier_url do not apply to {reward_type!r}")
+        return build_model_reward_scorer(
+            reward_type, served=served, judge=judge, timeout_s=reward_timeout_s, batch_budget_s=reward_batch_budget_s
+        )
     if reward_type == "code":
         return _code_scorer(code_verifier_url, options)
     if code_verifier_url is not None:
@@ -110,6 +122,7 @@ def _combined_scorer(
     code_verifier_url: str | None,
     reward_timeout_s: float,
     reward_batch_budget_s: float | None,
+    models: dict[str, Any],
 ) -> CombinedScorer:
     """The weighted sum of ``reward_mix``'s scorers; components already built are closed if a later one fails."""
     specs = [spec for spec, _ in reward_mix]
@@ -118,7 +131,11 @@ def _combined_scorer(
     components: list[Component] = []
     try:
         for spec, weight in reward_mix:
-            if spec in REWARD_TYPES:
+            if spec in MODEL_REWARD_TYPES:
+                scorer = build_reward_scorer(
+                    spec, reward_timeout_s=reward_timeout_s, reward_batch_budget_s=reward_batch_budget_s, **models
+                )
+            elif spec in REWARD_TYPES:
                 url = code_verifier_url if spec == "code" else None
                 scorer = build_reward_scorer(spec, url, reward_timeout_s=reward_timeout_s)
             elif ":" in spec:

@@ -2,7 +2,7 @@
 
 ``-rt model``: the reward model runs on its own Ray actor(s) (``driver/actors.RewardModelActor``, ``--reward-actors``)
 that batch the requests of all producers together (``reward/request_batching.py``). Producer ``p`` sends its
-samples (each prompt's messages and the response) to actor ``p mod N`` and waits, bounded by ``timeout_s``. When
+samples (each prompt's messages and reference answer, and the response) to actor ``p mod N`` and waits, bounded by ``timeout_s``. When
 the actor dies, Ray restarts it (``--max-actor-restarts``) and the request is sent again, so every sample is scored
 once; a request that cannot be answered (no restart left, or no answer in time) gives every sample of it an
 ``infra_error`` naming the actor and why, never a hang: the run goes on under ``--max-infra-error-fraction``.
@@ -20,6 +20,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from colossal_rl.reward.records import RewardRecord, infra_error
 
 logger = logging.getLogger(__name__)
+SENT_ROW_KEYS = ("messages", "gt_answer")
+"""What a reward actor gets of a row: the prompt's messages (its chat template renders them) and the reference
+answer (a judge's ``{reference}``); images and test cases stay on the producer."""
 
 
 class RemoteRewardScorer:
@@ -37,14 +40,14 @@ class RemoteRewardScorer:
     def score_batch(self, responses: list[str], rows: list[dict[str, Any]]) -> list[RewardRecord]:
         if not responses:
             return []
-        messages = [row["messages"] for row in rows]
+        sent = [{key: row[key] for key in SENT_ROW_KEYS if key in row} for row in rows]
         deadline = time.monotonic() + self.timeout_s
         for attempt in range(1, self.attempts + 1):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             try:
-                records = ray.get(self._actor.score.remote(messages, responses), timeout=left)
+                records = ray.get(self._actor.score.remote(sent, responses), timeout=left)
             except GetTimeoutError:
                 return self._failed(len(responses), f"no answer within {self.timeout_s:.0f}s")
             except RayActorError as error:  # died: Ray restarts it while restarts are left; send again

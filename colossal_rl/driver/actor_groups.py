@@ -147,9 +147,10 @@ def actor_environments(backend: str, *, on_gpu: bool) -> tuple[dict, dict]:
     return trainer_env, (producer_env if backend == "vllm" else trainer_env)
 
 
-def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
-    """Create the run's buffer, producers and trainers where the placement puts them (not waiting for them)."""
-    from colossal_rl.driver.actors import BufferActor, ProducerActor, TrainerActor
+def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup, list]:
+    """Create the run's buffer, producers, trainers and reward actors (``-rt model``, a local judge) where the
+    placement puts them (not waiting for them)."""
+    from colossal_rl.driver.actors import BufferActor, ProducerActor, RewardModelActor, TrainerActor
     from colossal_rl.driver.placement import actor_options, threads_per_actor, trainer_master_port, trainers_use_gpus
     from colossal_rl.producer_env import check_interpreter_on_nodes
 
@@ -166,6 +167,7 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
         num_producers=sched.num_producers,
         producer_gpus=config.generation.tensor_parallel_size,
         num_trainers=par.num_trainers,
+        num_reward_actors=config.reward.num_reward_actors,
     )
     # vLLM producers run in their own Python environment (colossal_rl/producer_env.py); a restart reuses it.
     trainer_env, producer_env = actor_environments(config.generation.backend, on_gpu=trainers_use_gpus(ray_nodes))
@@ -179,6 +181,15 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
         )
         for rank in range(par.num_trainers)
     )
+    reward_actors = [  # in the trainers' environment (transformers); restarted by Ray, asked again by producers
+        RewardModelActor.options(
+            **placement.reward_actors[index],
+            max_restarts=config.run.max_actor_restarts,
+            max_task_retries=0,
+            **trainer_env,
+        ).remote(index, config, trainer_threads)  # fmt: skip
+        for index in range(config.reward.num_reward_actors)
+    ]
     producers = ProducerGroup(
         # A producer that dies is restarted by Ray (constructor again, same arguments); its calls in flight fail
         # and the driver re-issues them once it has its weights back (``producer_restarts.py``).
@@ -188,7 +199,7 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup]:
             max_task_retries=0,
             max_concurrency=producer_concurrency(config),
             **producer_env,
-        ).remote(rank, config, producer_threads)  # fmt: skip
+        ).remote(rank, config, producer_threads, reward_actors)  # fmt: skip
         for rank in range(sched.num_producers)
     )
-    return buffer, producers, trainers
+    return buffer, producers, trainers, reward_actors

@@ -92,9 +92,68 @@ def rollout_samples(batch: RolloutBatch) -> list[dict]:
     ]
 
 
+def judge_settings(config: RLConfig):
+    """The run's ``-rt judge`` settings (``reward.JudgeSettings``), or None when no judge scores."""
+    from colossal_rl.reward import JudgeSettings
+
+    reward = config.reward
+    if reward.judge_template is None:
+        return None
+    return JudgeSettings(
+        template=reward.judge_template,
+        rule=reward.judge_rule,
+        url=reward.judge_url,
+        model=reward.judge_model,
+        token_file=reward.judge_token_file,
+        concurrency=reward.judge_concurrency,
+    )
+
+
+@ray.remote
+class RewardModelActor:
+    """Async actor serving a model-scored reward (``-rt model``, or a judge without ``--judge-url``) to every producer:
+    their requests are batched together (``reward/request_batching.py``) into its scorer
+    (``reward.build_served_scorer``). Ray restarts it when it dies (``--max-actor-restarts``); the producers' clients
+    (``comm/remote_reward.py``) send their requests again."""
+
+    def __init__(self, index: int, config: RLConfig, num_threads: int = 1, max_wait_s: float = 0.05):
+        _configure_worker(num_threads)
+        from colossal_rl.reward import build_served_scorer
+        from colossal_rl.reward.request_batching import RequestBatcher
+
+        reward = config.reward
+        self.index = index
+        self.scorer = build_served_scorer(
+            reward.served,
+            reward_model=reward.reward_model,
+            normalisation=reward.reward_normalisation,
+            batch_size=reward.reward_batch_size,
+            judge=judge_settings(config),
+            device="cuda" if ray.get_gpu_ids() else "cpu",
+        )
+        self.batcher = RequestBatcher(self._score, max_batch=reward.reward_batch_size, max_wait_s=max_wait_s)
+
+    async def ready(self) -> dict:
+        return {"index": self.index, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def score(self, rows: list[dict], responses: list[str]) -> list:
+        """One producer's samples (each row's ``messages`` and answer, and the response): their reward records."""
+        return await self.batcher.score(list(zip(rows, responses, strict=True)))
+
+    def _score(self, samples: list[tuple[dict, str]]) -> list:
+        return self.scorer.score_batch([response for _, response in samples], [row for row, _ in samples])
+
+    async def stats(self) -> dict[str, float]:
+        return self.batcher.stats.as_dict()
+
+    async def shutdown(self) -> None:
+        self.scorer.close()
+
+
 @ray.remote
 class ProducerActor:
-    def __init__(self, rank: int, config: RLConfig, num_threads: int = 1):
+    def __init__(self, rank: int, config: RLConfig, num_threads: int = 1, reward_actors: list | None = None):
+        """``reward_actors``: the run's ``RewardModelActor`` handles when a reward is scored on them."""
         self.startup = PhaseRecorder()
         with self.startup.record("imports"):
             _configure_worker(num_threads)
@@ -103,6 +162,12 @@ class ProducerActor:
 
         reward = config.reward
         with self.startup.record("reward"):
+            served = None
+            if reward.served is not None:
+                from colossal_rl.comm.remote_reward import RemoteRewardScorer
+
+                budget = config.run.timeout_s * REWARD_SHARE_OF_TIMEOUT
+                served = RemoteRewardScorer(reward_actors or [], rank, timeout_s=budget, label=reward.label)
             scorer = build_reward_scorer(
                 reward_type=reward.reward_type,
                 code_verifier_url=reward.code_verifier_url,
@@ -110,6 +175,8 @@ class ProducerActor:
                 reward_timeout_s=reward.reward_timeout_s,
                 reward_batch_budget_s=config.run.timeout_s * REWARD_SHARE_OF_TIMEOUT,
                 reward_mix=reward.mix,
+                served=served,
+                judge=judge_settings(config),
             )
         self.rank = rank
         self.config = config

@@ -78,7 +78,7 @@ class Driver:
         self.run_dir = run_dir
         self.metrics = metrics
         self.timeout = config.run.timeout_s
-        self.buffer, self.producers, self.trainers = spawn_actors(config)
+        self.buffer, self.producers, self.trainers, self.reward_actors = spawn_actors(config)
         self.progress = RunProgress()
         self.restarts = ProducerRestarts(
             self.producers, max_restarts=config.run.max_actor_restarts, timeout_s=self.timeout
@@ -108,6 +108,8 @@ class Driver:
         """Start every actor and the weight-sync group; with ``resume_from``, restore a checkpoint first."""
         started = time.perf_counter()
         producers, trainers = gather_groups([self.producers.ready(), self.trainers.setup()], self.timeout)
+        if self.reward_actors:  # a reward model that cannot load fails here, naming it
+            ray.get([actor.ready.remote() for actor in self.reward_actors], timeout=self.timeout)
         self.trace.phases.add("actors", self.trace.actors_submitted_at, time.time())
         train_rows = {info.train_rows for info in producers}
         if len(train_rows) != 1:
@@ -261,8 +263,9 @@ class Driver:
         shutdown call; the kill ends it regardless, so shutdown is bounded.
         """
         refs = self.producers.shutdown() + self.trainers.shutdown()
+        refs += [actor.shutdown.remote() for actor in self.reward_actors]
         ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-        for actor in [*self.producers, *self.trainers, self.buffer]:
+        for actor in [*self.producers, *self.trainers, *self.reward_actors, self.buffer]:
             try:
                 ray.kill(actor)
             except Exception as error:  # already dead: nothing left to clean up

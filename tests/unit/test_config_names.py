@@ -27,3 +27,15 @@ def test_sequence_layouts_are_the_trainers_and_auto():
 
 def test_lr_schedule_names_are_its_literal():
     assert config.LR_SCHEDULE_NAMES == get_args(config.LrSchedule)
+
+
+def test_reward_normalisations_are_the_reward_models():
+    from reward.reward_model import NORMALISATIONS
+
+    assert set(get_args(config.RewardNormalisation)) == set(NORMALISATIONS)
+
+
+def test_served_reward_types_are_the_reward_packages_model_types():
+    from reward.model_rewards import MODEL_REWARD_TYPES
+
+    assert config.SERVED_REWARD_TYPES == MODEL_REWARD_TYPES

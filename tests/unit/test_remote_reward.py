@@ -43,11 +43,19 @@ def fake_ray_get(monkeypatch):
 ROWS = [{"messages": [{"role": "user", "content": "1+1?"}], "answer": "2"}, {"messages": [], "answer": "x"}]
 
 
+def test_a_rows_messages_and_reference_answer_are_sent_and_nothing_else():
+    actor = FakeActor("a0", [])
+    row = {"messages": [{"role": "user", "content": "2+2?"}], "gt_answer": "4", "images": ["big.png"]}
+    RemoteRewardScorer([actor], 0, timeout_s=5, label="-rt judge").score_batch(["4"], [row])
+    assert actor.requests == [([{"messages": row["messages"], "gt_answer": "4"}], ["4"])]
+
+
 def test_each_producer_sends_to_its_actor_the_prompts_messages_and_responses():
     actors = [FakeActor("a0", []), FakeActor("a1", [])]
     records = RemoteRewardScorer(actors, 3, timeout_s=5, label="-rt model").score_batch(["ab", "abc"], ROWS)
     assert [r.reward for r in records] == [2.0, 3.0] and {r.details["actor"] for r in records} == {"a1"}
-    assert actors[1].requests == [([ROWS[0]["messages"], ROWS[1]["messages"]], ["ab", "abc"])]
+    sent = [{"messages": row["messages"]} for row in ROWS]  # the messages, and a reference answer when there is one
+    assert actors[1].requests == [(sent, ["ab", "abc"])]
     assert actors[0].requests == []
 
 
