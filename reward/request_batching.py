@@ -2,7 +2,8 @@
 
 Each caller (a producer's ``score_batch``) submits its samples and awaits their scores; a background task takes
 the queued requests in arrival order, up to ``max_batch`` samples (a request is never split), waiting at most
-``max_wait_s`` after the first one for more to join, and scores them with one call of ``score`` run in a worker
+``max_wait_s`` after the first one for more to join, or until ``max_callers`` requests are in (each caller has one
+request at a time, so none more can come: no wait), and scores them with one call of ``score`` run in a worker
 thread (the event loop keeps accepting requests meanwhile). A failing ``score`` call fails every request of that
 batch with its exception, never the batcher. Plain asyncio: the Ray shell is ``driver/actors.RewardModelActor``.
 """
@@ -46,7 +47,14 @@ class RequestBatcher(Generic[Sample, Score]):
     """Batches concurrent :meth:`score` calls into calls of ``score_batch(samples) -> scores`` (one score per sample,
     in order)."""
 
-    def __init__(self, score_batch: Callable[[list[Sample]], list[Score]], *, max_batch: int, max_wait_s: float):
+    def __init__(
+        self,
+        score_batch: Callable[[list[Sample]], list[Score]],
+        *,
+        max_batch: int,
+        max_wait_s: float,
+        max_callers: int | None = None,
+    ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_s < 0:
@@ -54,6 +62,8 @@ class RequestBatcher(Generic[Sample, Score]):
         self._score_batch = score_batch
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
+        self.max_callers = max_callers
+        """Requests that can be waiting at once (one per caller); a batch holding that many is scored at once."""
         self.stats = BatchingStats()
         self._queue: asyncio.Queue[_Request] | None = None
         self._worker: asyncio.Task | None = None
@@ -76,7 +86,7 @@ class RequestBatcher(Generic[Sample, Score]):
             first = carried or await self._next(None)
             batch, size, carried = [first], len(first.samples), None
             deadline = asyncio.get_running_loop().time() + self.max_wait_s
-            while size < self.max_batch:
+            while size < self.max_batch and len(batch) < (self.max_callers or len(batch) + 1):
                 request = await self._next(max(0.0, deadline - asyncio.get_running_loop().time()))
                 if request is None:
                     break

@@ -116,7 +116,9 @@ class RewardModelActor:
     (``reward.build_served_scorer``). Ray restarts it when it dies (``--max-actor-restarts``); the producers' clients
     (``comm/remote_reward.py``) send their requests again."""
 
-    def __init__(self, index: int, config: RLConfig, num_threads: int = 1, max_wait_s: float = 0.05):
+    def __init__(self, index: int, config: RLConfig, num_threads: int = 1, max_wait_s: float = 0.02):
+        """``max_wait_s``: how long a request waits for others to join its batch, unless every producer this actor
+        serves (producers ``p`` with ``p mod N == index``) has already sent one."""
         _configure_worker(num_threads)
         from colossal_rl.reward import build_served_scorer
         from colossal_rl.reward.request_batching import RequestBatcher
@@ -131,7 +133,11 @@ class RewardModelActor:
             judge=judge_settings(config),
             device="cuda" if ray.get_gpu_ids() else "cpu",
         )
-        self.batcher = RequestBatcher(self._score, max_batch=reward.reward_batch_size, max_wait_s=max_wait_s)
+        actors, producers = reward.num_reward_actors, config.schedule.num_producers
+        callers = len(range(index, producers, actors)) if index < producers else None
+        self.batcher = RequestBatcher(
+            self._score, max_batch=reward.reward_batch_size, max_wait_s=max_wait_s, max_callers=callers
+        )
 
     async def ready(self) -> dict:
         return {"index": self.index, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}

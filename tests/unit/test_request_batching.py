@@ -98,3 +98,16 @@ def test_no_request_is_lost_when_one_arrives_as_the_wait_times_out():
 def test_bad_settings_are_refused(max_batch, max_wait_s):
     with pytest.raises(ValueError):
         RequestBatcher(doubled([]), max_batch=max_batch, max_wait_s=max_wait_s)
+
+
+def test_a_batch_holding_a_request_of_every_caller_is_scored_without_waiting():
+    calls: list = []
+    batcher = RequestBatcher(doubled(calls), max_batch=100, max_wait_s=5.0, max_callers=2)
+
+    async def main():
+        started = time.perf_counter()
+        results = await asyncio.gather(batcher.score([1]), batcher.score([2]))
+        return results, time.perf_counter() - started
+
+    results, elapsed = asyncio.run(main())
+    assert results == [[2], [4]] and calls == [[1, 2]] and elapsed < 1.0  # not the 5 s wait

@@ -1,0 +1,114 @@
+"""Rewards from models in whole runs (``rl_example.py`` in a subprocess, Ray on this machine):
+
+- a judge behind an OpenAI-compatible endpoint (a stub on loopback that judges the arithmetic exactly) trains the
+  embedded policy as the verifier would: ``boxed`` (weight 0, listed first) measures the lift exactly;
+- a reward actor killed mid-run is restarted by Ray and the producers' requests are sent again: every sample is
+  scored (no infra_error), the run ends normally.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from run_processes import actor_pids, marked_env, new_marker
+
+from colossal_rl.metrics import read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from judge_stub_server import JudgeStub, StubReply  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATE = "Question: {prompt}\nResponse: {response}\nReference answer: {reference}\nScore the response 0 or 1."
+
+
+def exact_judge(number: int, prompt: str) -> StubReply:
+    """``Score: 1`` when the response's last ``\\boxed{}`` is the reference answer, else ``Score: 0``."""
+    response = prompt.split("\nResponse: ", 1)[1].split("\nReference answer: ", 1)[0]
+    reference = prompt.split("\nReference answer: ", 1)[1].split("\n", 1)[0].strip()
+    boxed = re.findall(r"\\boxed\{([^}]*)\}", response)
+    return StubReply(f"Score: {int(bool(boxed) and boxed[-1].strip() == reference)}")
+
+
+def run(tmp_path: Path, *flags: str, marker: str | None = None) -> subprocess.Popen:
+    command = [sys.executable, "rl_example.py", "--no-wandb", "-sd", str(tmp_path / "runs"), *flags]
+    log = (tmp_path / "run.log").open("w")
+    return subprocess.Popen(command, cwd=REPO, env=marked_env(marker or new_marker()), stdout=log, stderr=log)
+
+
+def records_of(tmp_path: Path) -> list[dict]:
+    (run_dir,) = list((tmp_path / "runs").iterdir())
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def test_a_judge_behind_an_endpoint_trains_the_policy_as_the_verifier_would(tmp_path):
+    template = tmp_path / "judge.txt"
+    template.write_text(TEMPLATE)
+    with JudgeStub(exact_judge) as stub:
+        process = run(
+            tmp_path, "--reward-mix", "boxed=0,judge=1", "--judge-template", str(template), "--judge-rule", "number",
+            "--judge-model", "exact-arithmetic", "--judge-url", stub.url, "--max-steps", "20", "-ei", "20",
+        )  # fmt: skip
+        assert process.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        asked = len(stub.requests)
+    records = records_of(tmp_path)
+    evals = [r["eval/math_accuracy"] for r in records if r["kind"] == "eval"]
+    assert evals[0] == pytest.approx(0.215) and evals[-1] >= evals[0] + 0.2, evals  # the default run's 0.825
+    rollouts = [r for r in records if r["kind"] == "rollout"]
+    assert all(r["rollout/infra_error_fraction"] == 0 for r in rollouts)
+    assert all(r["rollout/reward_judge_mean"] == pytest.approx(r["rollout/reward_boxed_mean"]) for r in rollouts)
+    assert asked >= sum(r["rollout/groups"] for r in rollouts) * 8  # every sample went to the judge
+
+
+@pytest.fixture(scope="module")
+def random_reward_model(tmp_path_factory) -> Path:
+    """A randomly initialised tiny sequence-classification model on the embedded tokenizer (its scores mean
+    nothing: the test is about the actor, not the reward)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    from colossal_rl.config import EMBEDDED_MODEL_DIR
+
+    path = tmp_path_factory.mktemp("random_rm")
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, max_position_embeddings=512)  # fmt: skip
+    Qwen2ForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_reward_actor_killed_mid_run_is_restarted_and_every_sample_scored(tmp_path, random_reward_model):
+    marker = new_marker()
+    process = run(
+        tmp_path, "--reward-mix", "boxed=0,model=1", "--reward-model", str(random_reward_model), "-nb", "1",
+        "--max-steps", "10", "-ei", "0", marker=marker,
+    )  # fmt: skip
+    log = tmp_path / "run.log"
+    try:
+        deadline = time.monotonic() + 300
+        while "optimizer steps:" not in log.read_text() or not actor_pids(marker, "RewardModelActor"):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        first = actor_pids(marker, "RewardModelActor")
+        os.kill(min(first), signal.SIGKILL)
+        while not actor_pids(marker, "RewardModelActor") - first:  # Ray starts it again
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        assert process.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    records = records_of(tmp_path)
+    rollouts = [r for r in records if r["kind"] == "rollout"]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 11))
+    assert all(r["rollout/infra_error_fraction"] == 0 for r in rollouts)  # every sample scored once, none lost
+    assert all(0 < r["rollout/reward_model_mean"] < 1 for r in rollouts)  # sigmoid scores from the model
