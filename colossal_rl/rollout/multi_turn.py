@@ -154,8 +154,23 @@ def log_environment_errors(episodes: list[Episode]) -> None:
 
 
 def _start(chat: ChatTurns, environment: Environment, row: dict[str, Any]) -> _Running:
+    """The episode's start: ``reset``'s messages as its prompt. A ``reset`` that raises (a plug-in's bug) ends only
+    this episode, before its first turn: its prompt is the row's own messages, it has no response, and it is an
+    infra_error (no reward, out of the loss)."""
     tools = episode_tools(environment)
-    return _Running(environment=environment, tools=tools, prompt_ids=chat.prompt_ids(environment.reset(row), tools))
+    try:
+        messages = environment.reset(row)
+    except Exception as error:
+        fallback = row.get("messages")
+        if isinstance(fallback, dict):
+            fallback = [fallback]
+        elif not isinstance(fallback, list):
+            fallback = [{"role": "user", "content": str(fallback or "")}]
+        episode = _Running(environment=environment, tools=tools, prompt_ids=chat.prompt_ids(fallback, tools))
+        episode.end, episode.reward, episode.info = "environment_error", 0.0, {"status": "infra_error"}
+        episode.error = _describe(environment, "reset", error)
+        return episode
+    return _Running(environment=environment, tools=tools, prompt_ids=chat.prompt_ids(messages, tools))
 
 
 def _play_turn(

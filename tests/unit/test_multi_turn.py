@@ -192,6 +192,25 @@ def test_an_environment_that_raises_ends_only_its_episode(tokenizer, chat):
     assert (fine.end, fine.reward) == ("done", 1.0) and len(backend.histories[1]) == 1
 
 
+class RaisingOnReset(Raising):
+    def reset(self, row):
+        raise KeyError("no such task")
+
+
+def test_an_environment_raising_on_reset_ends_only_its_episode_before_its_first_turn(tokenizer, chat):
+    environments = [RaisingOnReset(), environment_factory("calculator")(context())]
+    backend = ScriptedBackend(tokenizer, [["42"]])
+    broken, fine = run_episodes(backend, chat, environments, [ROW, ROW], SAMPLING, MultiTurnLimits())
+    assert (broken.end, broken.status, broken.reward, broken.response_ids) == ("environment_error", "infra_error",
+                                                                              0.0, [])  # fmt: skip
+    assert broken.environment_error == "RaisingOnReset.reset raised KeyError: 'no such task'"
+    assert "6*7=?" in tokenizer.decode(broken.prompt_ids)  # its prompt: the row's own messages
+    assert (fine.end, fine.reward) == ("done", 1.0)
+    batch = collate([broken, fine], tokenizer.pad_token_id)
+    assert batch.response_mask[0].sum() == 0 and batch.response_mask[1].sum() > 0
+    assert turn_metrics([broken, fine])["rollout/env_errors"] == 1.0
+
+
 QWEN_LIKE = (
     "{% for m in messages %}"
     "{% if m.role == 'tool' %}"
