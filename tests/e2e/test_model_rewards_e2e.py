@@ -112,3 +112,28 @@ def test_a_reward_actor_killed_mid_run_is_restarted_and_every_sample_scored(tmp_
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 11))
     assert all(r["rollout/infra_error_fraction"] == 0 for r in rollouts)  # every sample scored once, none lost
     assert all(0 < r["rollout/reward_model_mean"] < 1 for r in rollouts)  # sigmoid scores from the model
+
+
+HANGING_PLUGIN = '''import time
+import zlib
+
+
+def score(response, row):
+    """Hangs on about one response in 25 (a verifier stuck on some inputs); else 1 for a boxed answer."""
+    if response and zlib.crc32(response.encode()) % 25 == 0:
+        time.sleep(3600)
+    return 1.0 if "\\\\boxed{" in response else 0.0
+'''
+
+
+def test_a_reward_function_hanging_on_some_responses_costs_those_samples_not_the_run(tmp_path):
+    plugin = tmp_path / "hanging_reward.py"
+    plugin.write_text(HANGING_PLUGIN)
+    process = run(tmp_path, "--reward-fn", f"{plugin}:score", "--reward-timeout", "1", "--max-steps", "2", "-ei", "0")
+    assert process.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    text = (tmp_path / "run.log").read_text()
+    assert f"reward_fn {plugin}:score gave no reward within --reward-timeout 1s" in text
+    rollouts = [r for r in records_of(tmp_path) if r["kind"] == "rollout"]
+    hung = [r["rollout/infra_error_fraction"] for r in rollouts]
+    assert any(0 < fraction < 0.5 for fraction in hung), hung  # some samples lost, the rest scored
+    assert [r["step"] for r in records_of(tmp_path) if r["kind"] == "train"] == [1, 2]
