@@ -137,3 +137,22 @@ def test_a_reward_function_hanging_on_some_responses_costs_those_samples_not_the
     hung = [r["rollout/infra_error_fraction"] for r in rollouts]
     assert any(0 < fraction < 0.5 for fraction in hung), hung  # some samples lost, the rest scored
     assert [r["step"] for r in records_of(tmp_path) if r["kind"] == "train"] == [1, 2]
+
+
+def test_grpo_against_the_tiny_reward_model_alone_lifts_exact_accuracy_by_twenty_points(tmp_path):
+    """The embedded reward model (``scripts/build_tiny_reward_model.py``: trained to prefer correct sums) trains the
+    policy alone (``model=1``); ``boxed`` (weight 0, listed first) measures the answers exactly."""
+    from colossal_rl.config import ASSETS_DIR
+
+    process = run(
+        tmp_path, "--reward-mix", "boxed=0,model=1", "--reward-model", str(ASSETS_DIR / "tiny_reward_model"),
+        "--max-steps", "20", "-ei", "20",
+    )  # fmt: skip
+    assert process.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    records = records_of(tmp_path)
+    evals = [r["eval/math_accuracy"] for r in records if r["kind"] == "eval"]
+    assert evals[0] == pytest.approx(0.215) and evals[-1] >= evals[0] + 0.2, evals  # 0.49 when measured
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 21))
+    rollouts = [r for r in records if r["kind"] == "rollout"]
+    assert all(r["rollout/infra_error_fraction"] == 0 for r in rollouts)
