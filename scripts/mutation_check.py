@@ -975,6 +975,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         new="    for (name, _), record in zip(components[:1], records[:1], strict=True):\n        if record.status == INFRA_ERROR:\n",
         tests=("tests/unit/test_reward_mix.py::test_a_component_that_cannot_score_makes_the_sample_an_infra_error",),
     ),
+    # issue 47: rewards from models
+    Mutation(
+        name="remote_reward_gives_up_on_a_restarted_actor",
+        why="a producer's request to a reward actor that died is not sent again: its samples are lost to a restart",
+        path="colossal_rl/comm/remote_reward.py",
+        old="                continue\n",
+        new="                break\n",
+        tests=("tests/unit/test_remote_reward.py::test_a_dead_actor_is_asked_again_and_every_sample_is_scored_once",),
+    ),
+    Mutation(
+        name="reward_batcher_waits_with_every_caller_in",
+        why="a reward actor waits out its window though every producer it serves has a request in: each pass slower",
+        path="reward/request_batching.py",
+        old="while size < self.max_batch and len(batch) < (self.max_callers or len(batch) + 1):",
+        new="while size < self.max_batch:",
+        tests=(
+            "tests/unit/test_request_batching.py::test_a_batch_holding_a_request_of_every_caller_is_scored_without_waiting",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
