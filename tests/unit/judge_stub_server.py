@@ -124,15 +124,21 @@ def _handler_class(stub: JudgeStub) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             number = stub._begin(RecordedRequest(self.path, dict(self.headers.items()), body))
+            ended = False
             try:
                 prompt = body["messages"][-1]["content"]
                 reply = stub.behaviour(number, prompt)
                 time.sleep(reply.sleep_s)
+                # No longer in flight once answered: the client may send its next request the moment it reads the
+                # reply, before this thread would get back here (counting after the write saw one too many).
+                stub._end()
+                ended = True
                 self._send(reply)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client gave up (a timeout test)
             finally:
-                stub._end()
+                if not ended:
+                    stub._end()
 
         def _send(self, reply: StubReply) -> None:
             if reply.raw_body is not None:
