@@ -91,11 +91,6 @@ class RoundScheduler:
         return self.rounds_trained
 
     @property
-    def steps_per_version(self) -> int:
-        """Optimizer steps a round feeds when nothing is filtered."""
-        return self.settings.rows_per_round // self.settings.groups_per_step * self.settings.ppo_epochs
-
-    @property
     def finished(self) -> bool:
         """Every round trained, or the round reaching ``max_steps`` trained."""
         if self._step_open is not None:

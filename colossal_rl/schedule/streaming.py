@@ -147,11 +147,6 @@ class StreamingScheduler:
     def trainer_version(self) -> int:
         return self._steps_done
 
-    @property
-    def steps_per_version(self) -> int:
-        """Optimizer steps between consecutive versions."""
-        return 1
-
     def groups_in_flight(self) -> int:
         return sum(len(flight.unreported) for flight in self._in_flight.values())
 
