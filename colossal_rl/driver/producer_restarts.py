@@ -97,8 +97,9 @@ class ProducerRestarts:
         its budget allows, and given the weights again; past the budget the run ends naming it."""
         self._count(ranks)
         while True:
-            calls = sync_to(ranks)
+            calls: Calls = []  # none if forming the sync group again failed (it waits on every producer)
             try:
+                calls = sync_to(ranks)
                 gather(calls, self.timeout)
                 return
             except RunFailed as error:  # killed again while being given its weights back
