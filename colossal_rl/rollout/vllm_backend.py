@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -73,6 +74,8 @@ RPC_TIMEOUT_S = 600.0
 RPC_MARGIN_S = 30.0
 """Beyond the sync's own timeout, for a ``collective_rpc`` whose workers wait on the sync group (their waits are
 bounded by the group's timeout, so they answer first)."""
+ENGINE_DEATH_GRACE_S = 2.0
+"""How long a failed call into the engine looks for its core process to be gone before calling it an error."""
 
 
 def max_model_len(configured: int | None, max_sequence_tokens: int | None, model_context: int | None) -> int | None:
@@ -258,7 +261,7 @@ class VllmBackend:
             else:  # the engine runs the batcher's requests too: LLM.generate would take their outputs as its own
                 outputs = self._continuous.run_apart(inputs, params)
         except Exception as error:
-            raise engine_failure("generate", error) from error
+            raise self._failure("generate", error) from error
         ours = request_prompts(prompts, num_samples, sampling.greedy)
         return to_generation_output(outputs, num_samples=num_samples, pad_token_id=self.pad_token_id,
                                     decode=self._decode, prompt_ids=ours)  # fmt: skip
@@ -325,7 +328,7 @@ class VllmBackend:
             )
             self._forget_old_weights()
         except Exception as error:
-            raise engine_failure("load weights", error) from error
+            raise self._failure("load weights", error) from error
         _check_reached(not_reached)
 
     # --- weight syncs received by the engine's workers themselves (rollout/vllm_worker_receive.py)
@@ -338,7 +341,7 @@ class VllmBackend:
             self.llm.collective_rpc("colossal_rl_join_weight_sync", timeout=timeout_s + RPC_MARGIN_S,
                                     args=(routes_to_messages(routes), timeout_s, transport))  # fmt: skip
         except Exception as error:
-            raise engine_failure("join the weight sync", error) from error
+            raise self._failure("join the weight sync", error) from error
         self._sync_timeout_s = timeout_s
 
     def receive_weights(self, policy_version: int, *, loaded_version: int) -> None:
@@ -356,7 +359,7 @@ class VllmBackend:
             )
             self._forget_old_weights()
         except Exception as error:
-            raise engine_failure(f"receive weights version {policy_version}", error) from error
+            raise self._failure(f"receive weights version {policy_version}", error) from error
         _check_reached(not_reached)
 
     def _forget_old_weights(self) -> None:
@@ -376,13 +379,22 @@ class VllmBackend:
         try:
             (packed,) = self.llm.collective_rpc("colossal_rl_named_weights", timeout=RPC_TIMEOUT_S)
         except Exception as error:  # a worker's error arrives as a bare Exception with the worker's message
-            raise engine_failure("named_weights", error) from error
+            raise self._failure("named_weights", error) from error
         return vllm_weights.from_vllm_weights(dict(vllm_weights.unpack_tensors(packed)), self.hf_config)
 
     def base_weights(self, names: set[str]) -> dict[str, torch.Tensor]:
         """The model's own weights ``names`` as stored in its checkpoint (LoRA merges adapters into these): read
         from disk, so it works with any tensor-parallel size."""
         return vllm_weights.checkpoint_weights(self.model_path, names)
+
+    def _failure(self, what: str, error: BaseException) -> RuntimeError:
+        """The error to raise for a failed call into the engine; a call that failed because the engine core died
+        (its socket closed before the watchdog's next look: "ZMQError: Socket operation on non-socket") ends this
+        process as the watchdog would, so that Ray restarts the producer instead of the run ending on the error."""
+        gone = self._watchdog.gone_within(ENGINE_DEATH_GRACE_S)
+        if gone:
+            self._engine_died(gone)
+        return engine_failure(what, error)
 
     def _engine_died(self, pids: list[int]) -> None:
         """The engine core died under us: a call into it would block, so this process ends and Ray restarts the
@@ -474,9 +486,23 @@ class EngineWatchdog:
     def stop(self) -> None:
         self._stopped.set()
 
+    def gone(self) -> list[int]:
+        """Pids of the engine's processes that are no longer running (zombies count as gone)."""
+        return [child.pid for child in self.children if not _alive(child)]
+
+    def gone_within(self, seconds: float, poll_s: float = 0.1) -> list[int]:
+        """:meth:`gone`, looking again for up to ``seconds`` while none is (a process killed a moment ago may still
+        be exiting when its socket has already failed a call)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            gone = self.gone()
+            if gone or not self.children or time.monotonic() >= deadline:
+                return gone
+            time.sleep(poll_s)
+
     def _watch(self) -> None:
         while not self._stopped.wait(self.interval_s):
-            gone = [child.pid for child in self.children if not _alive(child)]
+            gone = self.gone()
             if gone and not self._stopped.is_set():
                 self.on_death(gone)
                 return
