@@ -69,6 +69,8 @@ class _Worker:
         self.requests = Connection(to_child_write, readable=False)
         self.replies = Connection(from_child_read, writable=False)
         self.ready = False
+        self._kill_lock = threading.Lock()
+        self._killed = False
 
     def wait_ready(self, deadline: float) -> str | None:
         """None once the worker has loaded the function, else why it cannot serve calls."""
@@ -101,14 +103,21 @@ class _Worker:
             return "failed", f"its reply could not be read: {type(error).__name__}: {error}"
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait()
-        self.requests.close()
-        self.replies.close()
+        """Kill its process group, reap it and close its pipes; once, whichever thread asks first (a caller whose
+        call the kill cut short discards the worker while the pool's close is still killing it: closing the pipes
+        twice at once could close another file that took the same descriptor)."""
+        with self._kill_lock:
+            if self._killed:
+                return
+            self._killed = True
+            if self.process.poll() is None:
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.process.wait()
+            self.requests.close()
+            self.replies.close()
 
 
 class BoundedCallPool:

@@ -11,6 +11,7 @@ Used by the math-verify pool (``math_pool.py``) and the bounded plug-in calls (`
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import queue
 import signal
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 
@@ -74,5 +77,8 @@ def shut_down_workers(workers: set, executor: ThreadPoolExecutor, spawner: Spawn
     executor.shutdown(wait=False, cancel_futures=True)
     spawner.stop()
     for worker in list(workers):
-        worker.kill()
+        try:
+            worker.kill()
+        except Exception:  # one worker's failure to die must not keep the others alive
+            logger.exception("could not kill a worker process")
     workers.clear()
