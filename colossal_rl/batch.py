@@ -54,6 +54,12 @@ class RolloutBatch:
     token_versions: torch.Tensor | None = None
     """[N, R] the weights version that sampled each response token, -1 on padding; set by continuous batching, where
     with partial rollouts a response may span two versions (``policy_version`` is then its group's oldest)."""
+    prompt_routes: torch.Tensor | None = None
+    """[N, P, layers, k] mixture-of-experts policies with ``--routing-replay``: the experts each MoE layer of the
+    producer's forward chose for each prompt token (int8/int16, ``moe.routing.NOT_RECORDED`` = -1 on padding)."""
+    response_routes: torch.Tensor | None = None
+    """[N, R, layers, k] the same for each response token that was fed back to the model (-1 on a response's last
+    token, which no forward reads, and on padding). The trainer's forward replays both (``moe/blocks.py``)."""
     group_size: int
     policy_version: int
     """Weights version the producer sampled with (the oldest, when tokens of a group came from several)."""
@@ -82,6 +88,14 @@ class RolloutBatch:
             tensor = getattr(self, name)
             if tensor is not None and tensor.shape != self.response_ids.shape:
                 raise ValueError(f"{name} {tuple(tensor.shape)} != responses {tuple(self.response_ids.shape)}")
+        for name, tokens in (("prompt_routes", self.prompt_ids), ("response_routes", self.response_ids)):
+            tensor = getattr(self, name)
+            if tensor is not None and (tensor.dim() != 4 or tensor.shape[:2] != tokens.shape):
+                raise ValueError(
+                    f"{name} {tuple(tensor.shape)} is not [{', '.join(map(str, tokens.shape))}, layers, k]"
+                )
+        if (self.prompt_routes is None) != (self.response_routes is None):
+            raise ValueError("prompt_routes and response_routes come together")
 
     @property
     def num_samples(self) -> int:
@@ -161,9 +175,17 @@ class RolloutBatch:
         return input_ids, attention_mask
 
 
-_OPTIONAL_TENSOR_FIELDS = ("advantages", "old_logprobs", "policy_mask", "token_versions")
+_OPTIONAL_TENSOR_FIELDS = (
+    "advantages",
+    "old_logprobs",
+    "policy_mask",
+    "token_versions",
+    "prompt_routes",
+    "response_routes",
+)
 """Per-sample tensors set by some batches only: ``advantages`` [N] by the producer, ``old_logprobs`` [N, R] by the
-trainer, ``policy_mask`` [N, R] by multi-turn rollouts, ``token_versions`` [N, R] by continuous batching."""
+trainer, ``policy_mask`` [N, R] by multi-turn rollouts, ``token_versions`` [N, R] by continuous batching,
+``prompt_routes``/``response_routes`` [N, P or R, layers, k] by MoE producers under routing replay."""
 
 
 def multi_version_fractions(token_versions: torch.Tensor, token_mask: torch.Tensor) -> tuple[float, float]:
@@ -182,10 +204,11 @@ def multi_version_fractions(token_versions: torch.Tensor, token_mask: torch.Tens
 
 
 def pad_to(tensor: torch.Tensor, length: int, value: float, left: bool) -> torch.Tensor:
+    """``tensor`` [N, T, ...] padded along its second axis to ``length`` with ``value``."""
     missing = length - tensor.shape[1]
     if missing == 0:
         return tensor
-    pad = torch.full((tensor.shape[0], missing), value, dtype=tensor.dtype)
+    pad = torch.full((tensor.shape[0], missing, *tensor.shape[2:]), value, dtype=tensor.dtype, device=tensor.device)
     return torch.cat([pad, tensor] if left else [tensor, pad], dim=1)
 
 
@@ -215,6 +238,9 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
     has_old = all(b.old_logprobs is not None for b in batches)
     has_policy_mask = any(b.policy_mask is not None for b in batches)
     has_versions = all(b.token_versions is not None for b in batches)
+    has_routes = [b.prompt_routes is not None for b in batches]
+    if any(has_routes) and not all(has_routes):
+        raise ValueError("cannot concatenate batches with and without recorded expert routes")
     return RolloutBatch(
         **tensors,
         advantages=torch.cat([b.advantages for b in batches]) if has_adv else None,
@@ -226,6 +252,12 @@ def concat_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         else None,
         token_versions=torch.cat([pad_to(b.token_versions, response_len, -1, left=False) for b in batches])
         if has_versions
+        else None,
+        prompt_routes=torch.cat([pad_to(b.prompt_routes, prompt_len, -1, left=True) for b in batches])
+        if all(has_routes)
+        else None,
+        response_routes=torch.cat([pad_to(b.response_routes, response_len, -1, left=False) for b in batches])
+        if all(has_routes)
         else None,
         group_size=batches[0].group_size,
         policy_version=min(b.policy_version for b in batches),

@@ -26,6 +26,8 @@ EMBEDDED_TRAIN_DATA = ASSETS_DIR / "data" / "train.jsonl"
 EMBEDDED_EVAL_DATA = ASSETS_DIR / "data" / "eval.jsonl"
 EMBEDDED_VLM_DIR = ASSETS_DIR / "tiny_qwen2_5_vl"
 """A pre-trained 0.86 M-parameter Qwen2.5-VL (``scripts/build_tiny_vlm.py``) for the shapes-counting task."""
+EMBEDDED_MOE_DIR = ASSETS_DIR / "tiny_qwen3_moe"
+"""The embedded mixture-of-experts policy (``scripts/build_tiny_moe_model.py``): the dense default's MoE twin."""
 EMBEDDED_SHAPES_TRAIN_DATA = ASSETS_DIR / "shapes" / "train.jsonl"
 EMBEDDED_SHAPES_EVAL_DATA = ASSETS_DIR / "shapes" / "eval.jsonl"
 EMBEDDED_TOOL_MODEL_DIR = ASSETS_DIR / "tiny_qwen2_tools"
@@ -110,6 +112,11 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Lets the model's own code (``auto_map`` in its config) run: passed to every load of its model,
     tokenizer and config (trainers, producers of both backends, export); off unless the user asks."""
+    routing_replay: bool = False
+    """Mixture-of-experts policies (``--routing-replay``, R3): producers record the experts each MoE layer chose
+    for every token they sampled or read, and the trainers' forwards use those choices (gate weights from the live
+    router), so a near-tied route flipped between the engine and the trainer cannot move a token's log-prob.
+    ``moe/support.py`` says what it takes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,6 +377,11 @@ class TrainConfig:
     """Gradient-norm clip."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts policies: weight of the routers' load-balancing loss added to the RL objective
+    (``moe/routing.py``, 1.0 when experts are used evenly). Off by default, as verl, slime and OpenRLHF train RL:
+    the policy's balance came from pre-training, and the term pulls against the reward; the model's own
+    ``router_aux_loss_coef`` in config.json is not read."""
     warmup_steps: int = 0
     """Optimizer steps of linear learning-rate warm-up from lr/warmup_steps to lr."""
     lr_schedule: LrSchedule = "constant"
@@ -414,6 +426,11 @@ class TrainConfig:
     sync leaves it out (it never changes)."""
 
     def validate(self) -> None:
+        _require(
+            self.router_aux_loss_coef >= 0,
+            "train.router_aux_loss_coef",
+            f"must be >= 0, got {self.router_aux_loss_coef}",
+        )
         _require(
             math.isfinite(self.learning_rate) and self.learning_rate > 0,
             "train.learning_rate",

@@ -79,6 +79,8 @@ FLAGS: tuple[Flag, ...] = (
     # model and data
     Flag(("-m", "--model"), "model.path"),
     Flag(("--trust-remote-code",), "model.trust_remote_code", kind="switch"),
+    Flag(("--routing-replay",), "model.routing_replay", kind="switch"),
+    Flag(("--router-aux-loss-coef",), "train.router_aux_loss_coef"),
     Flag(
         ("-d", "--dataset"),
         "data.train_path",

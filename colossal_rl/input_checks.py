@@ -35,6 +35,7 @@ def check_inputs(config: RLConfig) -> CheckedInputs:
         sources[path] = load_prompt_rows(path, keys)
     check_model(config.model.path)
     check_images(config, sources, model_is_vision_language(config.model.path))
+    check_mixture_of_experts(config)
     plugins = [("--reward-fn", config.reward.reward_fn)] if config.reward.reward_fn is not None else []
     plugins += [("--reward-mix", spec) for spec in config.reward.mix_plugins]
     for flag, spec in plugins:
@@ -83,6 +84,26 @@ def model_config_json(model: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return loaded if isinstance(loaded, dict) else None
+
+
+def check_mixture_of_experts(config: RLConfig) -> None:
+    """A mixture-of-experts policy only where it can train, routing replay only where it can record
+    (``moe/support.py``)."""
+    from colossal_rl.moe.support import moe_refusal
+
+    refusal = moe_refusal(
+        model_config_json(config.model.path),
+        model=config.model.path,
+        tp_size=config.parallel.tp_size,
+        pp_size=config.parallel.pp_size,
+        routing_replay=config.model.routing_replay,
+        backend=config.generation.backend,
+        continuous_batching=config.generation.continuous_batching,
+        environment=config.environment.name,
+        router_aux_loss_coef=config.train.router_aux_loss_coef,
+    )
+    if refusal is not None:
+        raise InputError(refusal)
 
 
 def model_is_vision_language(model: str) -> bool:

@@ -67,6 +67,11 @@ class GenerationOutput:
     token_versions: torch.Tensor | None = None
     """[N, R] the version that sampled each token, -1 on padding (continuous batching; two versions in a response
     with partial rollouts); None: the backend's policy version sampled them all."""
+    prompt_routes: torch.Tensor | None = None
+    """[N, P, layers, k] a mixture-of-experts model's expert choices at each prompt token, -1 on padding (routing
+    replay, ``RolloutBatch.prompt_routes``); None: not recorded."""
+    response_routes: torch.Tensor | None = None
+    """[N, R, layers, k] the choices at each response token the model read back, -1 elsewhere."""
 
 
 class InferenceBackend(Protocol):

@@ -21,6 +21,7 @@ def create_backend(
     images_per_prompt: int | None = None,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    record_routes: bool = False,
 ) -> InferenceBackend:
     """The backend ``name``; ``vllm_engine``, ``max_sequence_tokens`` (prompt + response) and ``weights_dtype``
     concern vLLM only.
@@ -30,6 +31,8 @@ def create_backend(
     precision, so synced weights are held exactly ("auto" would run a float32 config in float16).
     ``images_per_prompt``, ``min_pixels``, ``max_pixels``: a vision-language model's image limits, for vLLM's own
     image processing (the transformers backend's prompts come processed).
+    ``record_routes``: a mixture-of-experts policy's expert choices come with every sample (``--routing-replay``;
+    the transformers backend only: MoE policies on vLLM are refused before a run starts, ``moe/support.py``).
     """
     require_backend(name)
     if name == "vllm":
@@ -51,4 +54,4 @@ def create_backend(
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs the vllm backend")
     from colossal_rl.rollout.transformers_backend import TransformersBackend
 
-    return TransformersBackend(model_path, trust_remote_code=trust_remote_code)
+    return TransformersBackend(model_path, trust_remote_code=trust_remote_code, record_routes=record_routes)

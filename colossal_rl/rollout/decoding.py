@@ -84,6 +84,11 @@ class StopStringWatch:
 class DecodedResponses:
     response_ids: torch.Tensor  # [N, R] right-padded with pad_token_id after a row finished
     logprobs: torch.Tensor  # [N, R] behaviour log-probabilities, 0 after a row finished
+    prompt_routes: torch.Tensor | None = None
+    """[B, P, layers, k] a mixture-of-experts model's expert choices at each prompt token (per prompt: the group's
+    samples share its prefill), with ``record_routes``; garbage at left padding."""
+    response_routes: torch.Tensor | None = None
+    """[N, R, layers, k] the choices at each response token fed back to the model; -1 (``NOT_RECORDED``) where none."""
 
 
 def _next_logits(model, input_ids, attention_mask, position_ids, cache, keeps_last_only: bool, **extra) -> torch.Tensor:
@@ -118,14 +123,31 @@ def sample_responses(
     stop_watch: StopStringWatch | None = None,
     prompt_positions: torch.Tensor | None = None,
     vision_inputs: dict[str, torch.Tensor] | None = None,
+    route_dtype: torch.dtype | None = None,
 ) -> DecodedResponses:
     """Sample ``num_samples`` responses for each left-padded prompt row of ``prompt_ids`` [B, P].
+
+    ``route_dtype``: record a mixture-of-experts model's expert choices in the same forwards that sample
+    (``moe/blocks.py``), in this dtype (routing replay); None records nothing.
 
     Rows of the result are group-major: row ``b * num_samples + s`` is sample ``s`` of prompt ``b``.
     Vision-language prompts: ``prompt_positions`` [3, B, P] (multimodal positions, ``vision/rope.py``) and
     ``vision_inputs`` (``pixel_values``, ``image_grid_thw``) go into the prefill; every generated token then
     advances all three axes together from one past the prompt's largest position.
     """
+    if route_dtype is None:
+        return _sample(model, prompt_ids, prompt_mask, num_samples, sampling, eos_token_ids, pad_token_id,
+                       stop_watch, prompt_positions, vision_inputs, None, None)  # fmt: skip
+    from colossal_rl.moe.blocks import moe_routing
+
+    with moe_routing(model) as session:
+        return _sample(model, prompt_ids, prompt_mask, num_samples, sampling, eos_token_ids, pad_token_id,
+                       stop_watch, prompt_positions, vision_inputs, session, route_dtype)  # fmt: skip
+
+
+def _sample(model, prompt_ids, prompt_mask, num_samples, sampling, eos_token_ids, pad_token_id, stop_watch,
+            prompt_positions, vision_inputs, session, route_dtype) -> DecodedResponses:  # fmt: skip
+    """:func:`sample_responses`; ``session``: the MoE routing session recording each forward's choices."""
     device = prompt_ids.device
     keeps_last_only = accepts_logits_to_keep(model)
     cache = DynamicCache()
@@ -138,6 +160,15 @@ def sample_responses(
         positions = prompt_positions
         next_position = next_text_position(prompt_positions, prompt_mask)
     logits = _next_logits(model, prompt_ids, prompt_mask, positions, cache, keeps_last_only, **(vision_inputs or {}))
+    prompt_routes = response_routes = None
+    if session is not None:
+        from colossal_rl.moe.routing import NOT_RECORDED
+
+        prompt_routes = session.recorded(*prompt_ids.shape, route_dtype)
+        response_routes = torch.full(
+            (prompt_ids.shape[0] * num_samples, sampling.max_new_tokens, session.num_layers, session.top_k),
+            NOT_RECORDED, dtype=route_dtype, device=device,
+        )  # fmt: skip
     # The group's samples share the prompt's cache: repeat it (and the last logits) instead of re-running it.
     cache.batch_repeat_interleave(num_samples)
     logits = logits.repeat_interleave(num_samples, dim=0)
@@ -174,5 +205,13 @@ def sample_responses(
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
         step_positions = next_position if axes is None else next_position.unsqueeze(0).expand(axes, -1, -1)
         logits = _next_logits(model, tokens.unsqueeze(-1), attention_mask, step_positions, cache, keeps_last_only)
+        if session is not None:  # the experts that computed the tokens just fed: response position ``step``
+            fed = running >= 0
+            response_routes[running[fed], step] = session.recorded(len(running), 1, route_dtype)[fed, 0]
         next_position = next_position + 1
-    return DecodedResponses(response_ids=response_ids[:, :length], logprobs=logprobs[:, :length])
+    return DecodedResponses(
+        response_ids=response_ids[:, :length],
+        logprobs=logprobs[:, :length],
+        prompt_routes=prompt_routes,
+        response_routes=None if response_routes is None else response_routes[:, :length],
+    )

@@ -59,6 +59,15 @@ def concat_generation_outputs(parts: list[GenerationOutput], pad_token_id: int) 
         behaviour_logprobs=torch.cat([pad_to(p.behaviour_logprobs, response_len, 0.0, left=False) for p in parts]),
         truncated=torch.cat([p.truncated for p in parts]),
         responses=[r for p in parts for r in p.responses],
+        token_versions=torch.cat([pad_to(p.token_versions, response_len, -1, left=False) for p in parts])
+        if all(p.token_versions is not None for p in parts)
+        else None,
+        prompt_routes=torch.cat([pad_to(p.prompt_routes, prompt_len, -1, left=True) for p in parts])
+        if all(p.prompt_routes is not None for p in parts)
+        else None,
+        response_routes=torch.cat([pad_to(p.response_routes, response_len, -1, left=False) for p in parts])
+        if all(p.response_routes is not None for p in parts)
+        else None,
     )
 
 
@@ -138,6 +147,7 @@ class Producer:
             images_per_prompt=config.data.limit_images,
             min_pixels=config.data.min_pixels,
             max_pixels=config.data.max_pixels,
+            record_routes=config.model.routing_replay,
         )
 
     def _image_prompting(self, config: RLConfig) -> ImagePrompting | None:
@@ -268,6 +278,8 @@ class Producer:
             response_mask=output.response_mask,
             behaviour_logprobs=output.behaviour_logprobs,
             token_versions=output.token_versions,
+            prompt_routes=output.prompt_routes,
+            response_routes=output.response_routes,
             rewards=torch.tensor([r.reward for r in records], dtype=torch.float32),
             answer_correct=torch.tensor([float(r.answer_ok) for r in records]),
             loss_mask=torch.tensor([0.0 if r.status == "infra_error" else 1.0 for r in records]),

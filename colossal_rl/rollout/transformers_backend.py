@@ -12,7 +12,7 @@ from colossal_rl.batch import pad_to
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.batcher import DecodedGroup
 from colossal_rl.rollout.continuous_batching import ContinuousBatcher
-from colossal_rl.rollout.decoding import StopStringWatch, sample_responses
+from colossal_rl.rollout.decoding import DecodedResponses, StopStringWatch, sample_responses
 from colossal_rl.rollout.tokenizer_loading import load_tokenizer
 from colossal_rl.vision.inputs import VisionInputs, model_vision_kwargs
 from colossal_rl.vision.models import auto_model_class, is_vision_language_config
@@ -62,6 +62,20 @@ def cut_at_stop_strings(
     return mask, truncated
 
 
+def recorded_routes(output: GenerationOutput, decoded: DecodedResponses, num_samples: int) -> dict[str, torch.Tensor]:
+    """``decoded``'s expert choices as ``GenerationOutput`` fields: the prompt's repeated for each of its samples,
+    and ``NOT_RECORDED`` wherever the output has no real token (prompt padding; responses cut at EOS or a stop
+    string)."""
+    from colossal_rl.moe.routing import NOT_RECORDED
+
+    prompt_routes = decoded.prompt_routes.cpu().repeat_interleave(num_samples, dim=0)
+    response_routes = decoded.response_routes.cpu()
+    return {
+        "prompt_routes": prompt_routes.masked_fill(~output.prompt_mask.bool()[..., None, None], NOT_RECORDED),
+        "response_routes": response_routes.masked_fill(~output.response_mask.bool()[..., None, None], NOT_RECORDED),
+    }
+
+
 def generation_device() -> torch.device:
     """Where a producer generates: its GPU when it has one (Ray reserves one per producer on a GPU cluster and
     makes it ``cuda``), else the CPU."""
@@ -80,7 +94,10 @@ class TransformersBackend:
         *,
         trust_remote_code: bool = False,
         device: torch.device | str | None = None,
+        record_routes: bool = False,
     ):
+        """``record_routes``: a mixture-of-experts model's expert choices come with every generated sample
+        (routing replay); raises for a model without MoE blocks."""
         self.device = generation_device() if device is None else torch.device(device)
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.processor = None
@@ -96,6 +113,15 @@ class TransformersBackend:
             model_path, torch_dtype=dtype, trust_remote_code=trust_remote_code
         )
         self.model.to(self.device).eval()
+        self.route_dtype = None
+        """The dtype of recorded expert choices (``record_routes``), else None."""
+        if record_routes:
+            from colossal_rl.moe.blocks import moe_blocks
+            from colossal_rl.moe.routing import route_dtype
+
+            if not moe_blocks(self.model):
+                raise ValueError(f"routing replay: {model_path} has no mixture-of-experts layer to record")
+            self.route_dtype = route_dtype(int(config.num_experts))
         self.pad_token_id = self._pad_token_id()
         self.eos_token_ids = self._eos_token_ids()
 
@@ -140,10 +166,14 @@ class TransformersBackend:
             stop_watch=stop_watch,
             prompt_positions=positions,
             vision_inputs=vision_kwargs,
+            route_dtype=self.route_dtype,
         )
-        return self._output(
+        output = self._output(
             unique_ids, unique_mask, num_samples, decoded.response_ids.cpu(), decoded.logprobs.cpu(), sampling
         )
+        if decoded.prompt_routes is None:
+            return output
+        return replace(output, **recorded_routes(output, decoded, num_samples))
 
     def continuous_batcher(self, sampling: SamplingSettings, num_samples: int, max_rows: int) -> ContinuousBatcher:
         """A continuous-batching engine on this backend's model (``rollout/continuous_batching.py``); text only."""

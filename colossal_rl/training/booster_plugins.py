@@ -98,7 +98,13 @@ def launch_colossalai(
 
 
 def make_plugin(
-    parallel: ParallelConfig, *, microbatch_size: int, max_norm: float, on_cpu: bool, vision_language: bool = False
+    parallel: ParallelConfig,
+    *,
+    microbatch_size: int,
+    max_norm: float,
+    on_cpu: bool,
+    vision_language: bool = False,
+    mixture_of_experts: bool = False,
 ) -> Plugin:
     """The plugin for ``parallel`` (see the module docstring); ``microbatch_size`` is the train micro-batch.
     ``--precision auto`` is the device's (bf16 on GPU, fp32 on CPU), as the driver resolves it.
@@ -106,18 +112,26 @@ def make_plugin(
     ``vision_language``: the policy is a vision-language model, which ColossalAI 0.5.0's ShardFormer has no
     policy for (``HybridParallelPlugin`` raises NotImplementedError at boost, even at tp = pp = 1); its mixed
     precision without ZeRO then runs on ``LowLevelZeroPlugin`` stage 1 (the same mixed-precision arithmetic,
-    fp32 master weights, with the optimizer states sharded over the data-parallel ranks)."""
+    fp32 master weights, with the optimizer states sharded over the data-parallel ranks).
+
+    ``mixture_of_experts``: the policy has MoE layers (Qwen3-MoE), which ShardFormer has no policy for either
+    (``moe/support.py`` refuses tp/pp > 1 before a run starts); mixed precision goes the vision-language way, and
+    fp32 DDP looks for unused parameters: an expert no token of a micro-batch chose gets no gradient."""
     parallel = dataclasses.replace(parallel, precision=resolve_precision(parallel.precision, on_gpu=not on_cpu))
     parallel.validate()
+    if mixture_of_experts and (parallel.tp_size > 1 or parallel.pp_size > 1):
+        raise ConfigError("parallel.tp_size", "a mixture-of-experts policy trains with tp = pp = 1 (DDP or ZeRO)")
     if parallel.tp_size > 1 or parallel.pp_size > 1:
         return make_hybrid_plugin(parallel, microbatch_size=microbatch_size, max_norm=max_norm, on_cpu=on_cpu)
     if parallel.zero_stage > 0:
         return make_low_level_zero_plugin(parallel, max_norm=max_norm, on_cpu=on_cpu)
     if parallel.precision == "fp32":
-        return TorchDDPPlugin()
-    if vision_language:
+        return TorchDDPPlugin(find_unused_parameters=True) if mixture_of_experts else TorchDDPPlugin()
+    if vision_language or mixture_of_experts:
         logger.info(
-            "a vision-language model in %s without ZeRO trains on LowLevelZeroPlugin stage 1", parallel.precision
+            "a %s model in %s without ZeRO trains on LowLevelZeroPlugin stage 1",
+            "vision-language" if vision_language else "mixture-of-experts",
+            parallel.precision,
         )
         return make_low_level_zero_plugin(dataclasses.replace(parallel, zero_stage=1), max_norm=max_norm, on_cpu=on_cpu)
     return make_hybrid_plugin(parallel, microbatch_size=microbatch_size, max_norm=max_norm, on_cpu=on_cpu)

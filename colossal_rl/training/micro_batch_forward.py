@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -21,8 +22,19 @@ from colossal_rl.training import micro_batches
 from colossal_rl.training.objective import objective_for
 from colossal_rl.training.policy_forward import output_head_returns_hidden, response_terms, unwrap_model
 from colossal_rl.training.sequence_layout import ForwardLayout, block_layout, padded_layout
+from colossal_rl.training.step_loss import StepTotals
 from colossal_rl.vision.inputs import model_vision_kwargs
 from colossal_rl.vision.rope import RopeTokens, sequence_positions
+
+
+class ForwardTerms(NamedTuple):
+    logprobs: torch.Tensor
+    """[n, R] the responses' log-probs (fp32, zero at padding)."""
+    entropy: torch.Tensor | None
+    layout: ForwardLayout
+    router_balance: torch.Tensor | None = None
+    """A mixture-of-experts policy's load-balancing loss over the forward's real tokens (``moe/routing.py``), when
+    ``train.router_aux_loss_coef`` > 0; else None."""
 
 
 class MicroBatchForward:
@@ -139,13 +151,24 @@ class MicroBatchForward:
         head_weight: torch.Tensor | None,
         *,
         with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, ForwardLayout]:
-        """One forward of ``model`` over a micro-batch in its layout: (log-probs [n, R], entropy or None, layout).
+        totals: StepTotals | None = None,
+    ) -> ForwardTerms:
+        """One forward of ``model`` over a micro-batch in its layout: log-probs [n, R], entropy or None, the
+        layout, and (mixture of experts with ``train.router_aux_loss_coef`` > 0) the routers' balance loss.
 
         ``group_size``: samples per prompt group of the chunk ``part`` comes from (``part`` starts at a group).
+        With routing replay and routes in ``part``, the forward uses the producer's expert choices; ``totals``
+        then counts the replayed tokens whose choice differs from the trainer's own router.
         """
         forward = self.layout_of(part, group_size)
-        outputs = self._full_vocabulary(model(**self.model_inputs(model, part, forward)).logits, head_weight)
+        router_balance = None
+        with self._routing(model, part, forward) as session:
+            outputs = self._full_vocabulary(model(**self.model_inputs(model, part, forward)).logits, head_weight)
+            if session is not None and self.config.train.router_aux_loss_coef > 0:
+                router_balance = session.balance_loss(forward.per_position(part.prompt_mask, part.response_mask, 0))
+        if session is not None and totals is not None and session.replay is not None:
+            totals.add("train/routed_tokens_replayed", session.replayed)
+            totals.add("train/routed_tokens_differing", session.differing)
         logprobs, entropy = forward.response_terms(
             outputs,
             part.response_ids,
@@ -153,7 +176,23 @@ class MicroBatchForward:
             head_weight=head_weight,
             with_entropy=with_entropy,
         )
-        return logprobs, entropy, forward
+        return ForwardTerms(logprobs, entropy, forward, router_balance)
+
+    @contextlib.contextmanager
+    def _routing(self, model: torch.nn.Module, part: RolloutBatch, forward: ForwardLayout) -> Iterator:
+        """The MoE routing session of one forward (``moe/blocks.py``): replaying ``part``'s recorded routes in
+        ``forward``'s layout (routing replay), and/or keeping the routers' logits for their balance loss
+        (``train.router_aux_loss_coef``); None when neither is asked for."""
+        replay = self.config.model.routing_replay and part.prompt_routes is not None
+        if not replay and self.config.train.router_aux_loss_coef <= 0:
+            yield None
+            return
+        from colossal_rl.moe.blocks import moe_routing
+        from colossal_rl.moe.routing import NOT_RECORDED
+
+        routes = forward.per_position(part.prompt_routes, part.response_routes, NOT_RECORDED) if replay else None
+        with moe_routing(unwrap_model(model), replay=routes) as session:
+            yield session
 
     def padded_terms(
         self, outputs: torch.Tensor, head_weight: torch.Tensor | None, batch: RolloutBatch, *, with_entropy: bool

@@ -117,6 +117,25 @@ class ForwardLayout:
     """The samples whose prompt tokens the rows hold, in the order they appear (row by row): the order a
     vision-language forward takes their images in. Every sample for padded and packed; one a group for
     shared_prompt."""
+    token_source: torch.Tensor | None = None
+    """Block layouts: [rows, L] where each input position's token comes from, indexing
+    ``cat([prompt_ids.flatten(), response_ids.flatten(), [pad]])`` of the micro-batch (:meth:`per_position`)."""
+
+    def per_position(self, prompt_values: torch.Tensor, response_values: torch.Tensor, fill: int) -> torch.Tensor:
+        """Per-token values laid out as the forward's input tokens: [rows, L, ...] from the micro-batch's
+        ``prompt_values`` [n, P, ...] and ``response_values`` [n, R, ...] (full widths, as its ids), ``fill`` at
+        padding positions. Routing replay lays out recorded expert choices with it."""
+        if self.token_source is None:  # padded: [cut prompt | cut response]
+            return torch.cat(
+                [prompt_values[:, prompt_values.shape[1] - self.prompt_length :],
+                 response_values[:, : self.response_length]], dim=1,
+            )  # fmt: skip
+        trailing = prompt_values.shape[2:]
+        flat = torch.cat(
+            [prompt_values.reshape(-1, *trailing), response_values.reshape(-1, *trailing),
+             prompt_values.new_full((1, *trailing), fill)]
+        )  # fmt: skip
+        return flat[self.token_source.to(flat.device)]
 
     def response_terms(
         self,
@@ -278,6 +297,7 @@ def block_layout(
             len(rows), tokens.width
         ),
         prompt_owners=tuple(block.samples[0] for row in rows for block in row),
+        token_source=source,
     )
 
 

@@ -68,6 +68,8 @@ class StepLoss:
     counts: StepCounts
     step_samples: int
     """Samples of this rank's step (weights of the mean metrics)."""
+    router_aux_loss_coef: float = 0.0
+    """``train.router_aux_loss_coef``: the weight of a mixture-of-experts policy's balance loss."""
 
     def __call__(
         self,
@@ -109,3 +111,14 @@ class StepLoss:
         totals.add("train/entropy", trained_entropy / self.counts.trained_tokens)
         totals.add_metrics(metrics, weight=micro.num_samples / self.step_samples)
         return loss
+
+    def router_balance_term(
+        self, balance: torch.Tensor, num_samples: int, dp_size: int, totals: StepTotals
+    ) -> torch.Tensor:
+        """A micro-batch of ``num_samples`` samples' share of ``router_aux_loss_coef`` x the routers' balance loss
+        (``moe/routing.py``): summed over the step's micro-batches, and averaged over the data-parallel ranks by
+        their gradient all-reduce (each backward scales by ``dp_size``), it is the coefficient times the mean
+        balance loss. ``train/router_balance_loss``: this rank's sample-weighted mean."""
+        share = num_samples / self.step_samples
+        totals.add("train/router_balance_loss", float(balance.detach()) * share)
+        return self.router_aux_loss_coef * balance * share / dp_size

@@ -52,10 +52,12 @@ class PlainSteps:
         for start, stop in self.micro_forward.micro_ranges(chunk, same_count_on_every_rank=True):
             part = chunk.sample_range(start, stop)
             with self.micro_forward.output_head(model) as head_weight:
-                new_logprobs, entropy, forward = self.micro_forward.terms(
-                    model, part, chunk.group_size, head_weight, with_entropy=True
+                new_logprobs, entropy, forward, router_balance = self.micro_forward.terms(
+                    model, part, chunk.group_size, head_weight, with_entropy=True, totals=totals
                 )
                 loss = step_loss(new_logprobs, entropy, chunk, start, stop, ref_logprobs, totals)
+                if router_balance is not None:  # a share of the routers' balance loss, a mean over the step
+                    loss = loss + step_loss.router_balance_term(router_balance, part.num_samples, self.dp_size, totals)
                 self.booster.backward(loss * self.dp_size, self.optimizer)
             totals.add_tokens(forward.real_tokens, forward.computed_tokens)
             captured.append(new_logprobs.detach())

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig, with_device_precision
+from colossal_rl.moe.blocks import moe_blocks
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.training.lr_schedule import ScheduleHorizon, make_lr_scheduler
 from colossal_rl.training.micro_batch_forward import MicroBatchForward
@@ -164,7 +165,12 @@ class Trainer:
         dtype = _DTYPES[self.config.parallel.precision]
         model = self._load_policy(dtype)
         model_config = model.config
-        self._boost(model, plugin, vision_language=is_vision_language_config(model_config))
+        self._boost(
+            model,
+            plugin,
+            vision_language=is_vision_language_config(model_config),
+            mixture_of_experts=bool(moe_blocks(model)),
+        )
         if self.config.algorithm.kl_coeff > 0 or self.objective.needs_reference:
             with self.startup.record("reference model"):
                 self.reference_model = self._build_reference_model(dtype)
@@ -195,7 +201,9 @@ class Trainer:
             logger.info("froze the vision tower's %d parameter tensors", freeze_vision_tower(model))
         return model
 
-    def _boost(self, model: torch.nn.Module, plugin: Plugin | None, *, vision_language: bool) -> None:
+    def _boost(
+        self, model: torch.nn.Module, plugin: Plugin | None, *, vision_language: bool, mixture_of_experts: bool
+    ) -> None:
         """The plugin (``plugin`` or ``make_plugin``'s), the optimizer over the trainable parameters, the
         learning-rate schedule, and the boosted model."""
         from colossalai.booster import Booster
@@ -209,6 +217,7 @@ class Trainer:
             max_norm=train.max_norm,
             on_cpu=self.on_cpu,
             vision_language=vision_language,
+            mixture_of_experts=mixture_of_experts,
         )
         self.booster = Booster(plugin=self.plugin)
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
@@ -386,6 +395,10 @@ class Trainer:
         metrics["train/computed_per_real_token"] = metrics["train/computed_tokens"] / max(
             metrics["train/real_tokens"], 1.0
         )
+        if "train/routed_tokens_replayed" in metrics:  # routing replay: this rank's replayed (token, layer) pairs
+            metrics["train/routing_mismatch_fraction"] = metrics.pop("train/routed_tokens_differing") / max(
+                metrics.pop("train/routed_tokens_replayed"), 1.0
+            )
         metrics.update(
             {
                 "train/grad_norm": grad_norm,
@@ -412,6 +425,7 @@ class Trainer:
             max_response_length=self.config.generation.max_new_tokens,
             counts=StepCounts(trained_tokens=max(trained_tokens, 1.0), loss_samples=max(loss_samples, 1.0)),
             step_samples=batch.num_samples,
+            router_aux_loss_coef=self.config.train.router_aux_loss_coef,
         )
         return step_loss, totals
 

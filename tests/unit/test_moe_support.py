@@ -1,0 +1,61 @@
+"""What an MoE policy trains under, and what routing replay takes: refused before Ray starts, in one line naming
+the flag (``moe/support.py`` through ``input_checks.check_mixture_of_experts``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from colossal_rl.config import EMBEDDED_MODEL_DIR, ModelConfig, ParallelConfig, RLConfig
+from colossal_rl.input_checks import InputError, check_mixture_of_experts
+from colossal_rl.moe.support import is_moe_config, moe_refusal
+
+QWEN3_MOE = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}
+
+
+def refusal(model_json=QWEN3_MOE, **changes):
+    settings = dict(model="m", tp_size=1, pp_size=1, routing_replay=True, backend="transformers",
+                    continuous_batching=False, environment=None) | changes  # fmt: skip
+    return moe_refusal(model_json, **settings)
+
+
+def test_a_qwen3_moe_trains_with_replay_on_the_transformers_backend_under_ddp_or_zero():
+    assert refusal() is None
+    assert refusal(routing_replay=False) is None
+    assert is_moe_config(QWEN3_MOE) and not is_moe_config({"model_type": "qwen2"}) and not is_moe_config(None)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"tp_size": 2}, "-tp 2 -pp 1: ColossalAI 0.5.0's shardformer has no policy for qwen3_moe"),
+        ({"pp_size": 2, "routing_replay": False}, "-tp 1 -pp 2"),
+        ({"backend": "vllm"}, "-b vllm with a mixture-of-experts policy"),
+        ({"backend": "vllm", "routing_replay": False}, "-b vllm with a mixture-of-experts policy"),
+        ({"continuous_batching": True}, "--routing-replay with --continuous-batching"),
+        ({"environment": "calculator"}, "--routing-replay with --env calculator"),
+    ],
+)
+def test_what_cannot_work_is_refused_naming_the_flag(changes, named):
+    message = refusal(**changes)
+    assert message is not None and message.startswith(named) and "\n" not in message
+
+
+def test_replay_on_a_dense_model_and_an_unknown_moe_are_refused():
+    assert refusal({"model_type": "qwen2"}).startswith("--routing-replay: -m/--model m is not a mixture-of-experts")
+    assert "mixtral" in refusal({"model_type": "mixtral", "num_local_experts": 8}, routing_replay=False)
+    assert refusal({"model_type": "qwen2"}, routing_replay=False, router_aux_loss_coef=0.01).startswith(
+        "--router-aux-loss-coef 0.01: -m/--model m is not a mixture-of-experts"
+    )
+
+
+def test_the_input_check_reads_the_models_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+    config = RLConfig(model=ModelConfig(path=str(tmp_path), routing_replay=True))
+    check_mixture_of_experts(config)
+    with pytest.raises(InputError, match="-tp 2 -pp 1"):
+        check_mixture_of_experts(dataclasses.replace(config, parallel=ParallelConfig(num_trainers=2, tp_size=2)))
+    with pytest.raises(InputError, match="not a mixture-of-experts model"):
+        check_mixture_of_experts(RLConfig(model=ModelConfig(path=str(EMBEDDED_MODEL_DIR), routing_replay=True)))
