@@ -122,6 +122,8 @@ class TransformersBackend:
             if not moe_blocks(self.model):
                 raise ValueError(f"routing replay: {model_path} has no mixture-of-experts layer to record")
             self.route_dtype = route_dtype(int(config.num_experts))
+            logger.info("routing replay: recording the experts of %d MoE layers (top-%d) in every sampling forward",
+                        len(moe_blocks(self.model)), int(config.num_experts_per_tok))  # fmt: skip
         self.pad_token_id = self._pad_token_id()
         self.eos_token_ids = self._eos_token_ids()
 

@@ -59,3 +59,36 @@ def test_the_input_check_reads_the_models_config_json(tmp_path):
         check_mixture_of_experts(dataclasses.replace(config, parallel=ParallelConfig(num_trainers=2, tp_size=2)))
     with pytest.raises(InputError, match="not a mixture-of-experts model"):
         check_mixture_of_experts(RLConfig(model=ModelConfig(path=str(EMBEDDED_MODEL_DIR), routing_replay=True)))
+
+
+def test_the_readme_and_guide_commands_train_the_embedded_moe_with_replay(monkeypatch):
+    """README's "Mixture-of-experts policies" command and the guide's (the second is the one
+    ``tests/e2e/test_moe_e2e.py`` runs, cut to 10 steps) build valid configs on the embedded tiny Qwen3-MoE."""
+    import re
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from colossal_rl.config import EMBEDDED_MOE_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    from rl_example import build_parser, config_from_args
+
+    monkeypatch.chdir(root)
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("### Mixture-of-experts policies") : readme.index("## Results")]
+    guide = (root / "docs" / "guides" / "mixture-of-experts.md").read_text()
+    lines = [
+        line
+        for text in (section, guide.split("## Why")[0])
+        for line in "\n".join(re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)).splitlines()
+        if line.startswith("python rl_example.py")
+    ]
+    assert len(lines) == 3
+    for line in lines:
+        config = config_from_args(build_parser().parse_args(shlex.split(line)[2:])).validate()
+        assert Path(config.model.path).resolve() == EMBEDDED_MOE_DIR and config.model.routing_replay
+        check_mixture_of_experts(config)
+    zero = config_from_args(build_parser().parse_args(shlex.split(lines[2])[2:])).validate()
+    assert (zero.parallel.num_trainers, zero.parallel.zero_stage) == (2, 1)
