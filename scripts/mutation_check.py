@@ -994,6 +994,44 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_request_batching.py::test_a_batch_holding_a_request_of_every_caller_is_scored_without_waiting",
         ),
     ),
+    Mutation(
+        name="moe_replay_forces_nothing",
+        why="routing replay records routes but the trainer's router still chooses: flipped near-ties move log-probs",
+        path="colossal_rl/moe/routing.py",
+        old="        selected = torch.where(replayed[:, None], forced.long(), own)\n",
+        new="        selected = own\n",
+        tests=(
+            "tests/unit/test_moe_routing_replay.py::test_flipped_near_ties_move_the_logprobs_without_replay_and_not_with_it[packed]",
+            "tests/unit/test_moe_routing_replay.py::test_flipped_near_ties_move_the_logprobs_without_replay_and_not_with_it[shared_prompt]",
+        ),
+    ),
+    Mutation(
+        name="moe_prompt_routes_not_laid_out",
+        why="block layouts replay the prompt's routes at the wrong positions (response routes only)",
+        path="colossal_rl/training/sequence_layout.py",
+        old="            [prompt_values.reshape(-1, *trailing), response_values.reshape(-1, *trailing),",
+        new="            [torch.full_like(prompt_values, fill).reshape(-1, *trailing), response_values.reshape(-1, *trailing),",
+        tests=("tests/unit/test_moe_routing_replay.py::test_flipped_near_ties_move_the_logprobs_without_replay_and_not_with_it[packed]",),
+    ),
+    Mutation(
+        name="moe_response_routes_off_by_one",
+        why="the producer files each fed token's experts under the next response position",
+        path="colossal_rl/rollout/decoding.py",
+        old="            response_routes[running[fed], step] = session.recorded(len(running), 1, route_dtype)[fed, 0]",
+        new="            response_routes[running[fed], min(step + 1, response_routes.shape[1] - 1)] = session.recorded(len(running), 1, route_dtype)[fed, 0]",
+        tests=(
+            "tests/unit/test_moe_routing_replay.py::test_the_recorded_routes_are_the_sampling_forwards_own_choices",
+            "tests/unit/test_moe_routing_replay.py::test_the_recorded_routes_are_what_a_full_forward_at_the_same_weights_chooses",
+        ),
+    ),
+    Mutation(
+        name="moe_gate_weights_not_renormalised",
+        why="forced experts keep their raw softmax weights under norm_topk_prob: replay changes the forward",
+        path="colossal_rl/moe/routing.py",
+        old="    if normalize:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+        new="    if normalize and forced is None:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+        tests=("tests/unit/test_moe_routing_replay.py::test_same_weights_the_trainer_recomputes_the_behaviour_logprobs_with_and_without_replay[padded]",),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -119,9 +119,21 @@ def test_the_recorded_routes_are_the_sampling_forwards_own_choices(rollout):
     assert torch.equal(recorded_prompt, rollout.prompt_mask.bool())
     lengths = rollout.response_mask.sum(1)
     recorded_response = (rollout.response_routes >= 0).all(-1).all(-1)
-    assert torch.equal(recorded_response.sum(1), lengths - 1)
-    assert bool((rollout.response_routes[recorded_response] < 8).all())
+    positions = torch.arange(rollout.response_ids.shape[1])[None, :]
+    assert torch.equal(recorded_response, positions < (lengths - 1)[:, None])  # every token but the last
     assert bool((rollout.response_routes[~recorded_response] == NOT_RECORDED).all())
+
+
+def test_the_recorded_routes_are_what_a_full_forward_at_the_same_weights_chooses(producer_model, rollout):
+    """Token by token with a KV cache in the producer, all at once in this forward: the same experts (as sets)
+    wherever something was recorded."""
+    input_ids, attention_mask = rollout.sequences()
+    with torch.no_grad(), moe_routing(producer_model) as session:
+        producer_model(input_ids=input_ids, attention_mask=attention_mask)
+    own = session.recorded(*input_ids.shape, torch.int8).sort(dim=-1).values
+    recorded = torch.cat([rollout.prompt_routes, rollout.response_routes], dim=1).sort(dim=-1).values
+    where = (recorded >= 0).all(-1)
+    assert int(where.sum()) > 0 and torch.equal(own[where], recorded[where])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
