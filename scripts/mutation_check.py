@@ -1011,7 +1011,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         path="colossal_rl/training/sequence_layout.py",
         old="            [prompt_values.reshape(-1, *trailing), response_values.reshape(-1, *trailing),",
         new="            [torch.full_like(prompt_values, fill).reshape(-1, *trailing), response_values.reshape(-1, *trailing),",
-        tests=("tests/unit/test_moe_routing_replay.py::test_flipped_near_ties_move_the_logprobs_without_replay_and_not_with_it[packed]",),
+        tests=(
+            "tests/unit/test_moe_routing_replay.py::test_flipped_near_ties_move_the_logprobs_without_replay_and_not_with_it[packed]",
+        ),
     ),
     Mutation(
         name="moe_response_routes_off_by_one",
@@ -1030,7 +1032,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         path="colossal_rl/moe/routing.py",
         old="    if normalize:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
         new="    if normalize and forced is None:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
-        tests=("tests/unit/test_moe_routing_replay.py::test_same_weights_the_trainer_recomputes_the_behaviour_logprobs_with_and_without_replay[padded]",),
+        tests=(
+            "tests/unit/test_moe_routing_replay.py::test_same_weights_the_trainer_recomputes_the_behaviour_logprobs_with_and_without_replay[padded]",
+        ),
     ),
 )
 
