@@ -101,6 +101,7 @@ def check_mixture_of_experts(config: RLConfig) -> None:
         continuous_batching=config.generation.continuous_batching,
         environment=config.environment.name,
         router_aux_loss_coef=config.train.router_aux_loss_coef,
+        lora_rank=config.train.lora_rank,
     )
     if refusal is not None:
         raise InputError(refusal)

