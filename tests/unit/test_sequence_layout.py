@@ -181,3 +181,23 @@ def test_flash_attention_inputs_restart_positions_per_block_and_carry_no_mask():
     positions = packed.inputs["position_ids"]
     starts = int((positions == 0).sum())
     assert starts >= batch[0].shape[0]  # every sample's block starts at 0 (padding may start one more)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared_prompt"])
+def test_per_position_lays_out_any_per_token_values_as_the_forwards_ids(layout):
+    """Routing replay's layout of per-token values: the token ids themselves, laid out by ``per_position``, are the
+    forward's ``input_ids`` exactly (so any [n, P or R, ...] values land on their tokens); with trailing dims too."""
+    batch = group_batch(seed=4)
+    prompt_ids, prompt_mask, response_ids, response_mask = batch
+    if layout == "padded":
+        forward = padded_layout(*batch)
+    else:
+        forward = block_layout(*batch, group_size=GROUP_SIZE, shared_prompt=layout == "shared_prompt",
+                               pad_token_id=0, mask_dtype=None)  # fmt: skip
+    assert torch.equal(forward.per_position(prompt_ids, response_ids, 0), forward.inputs["input_ids"])
+    pairs = forward.per_position(
+        torch.stack([prompt_ids, -prompt_ids], -1), torch.stack([response_ids, -response_ids], -1), 0
+    )
+    assert torch.equal(pairs[..., 0], forward.inputs["input_ids"]) and torch.equal(pairs[..., 1], -pairs[..., 0])
+    real = forward.per_position(prompt_mask, response_mask, 0)
+    assert int(real.sum()) == forward.occupied_tokens
