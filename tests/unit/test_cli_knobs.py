@@ -24,6 +24,8 @@ from rl_example import FLAG_FIELDS, NOT_CONFIG_FLAGS, UsageError, build_parser, 
 FLAG_PROBES = {
     "model": (["-m", "Qwen/Qwen2.5-0.5B"], "model.path"),
     "trust_remote_code": (["--trust-remote-code"], "model.trust_remote_code"),
+    "routing_replay": (["--routing-replay"], "model.routing_replay"),
+    "router_aux_loss_coef": (["--router-aux-loss-coef", "0.001"], "train.router_aux_loss_coef"),
     "checkpoint_path": (["-cp", "runs/x"], "run.checkpoint_path"),
     "dataset": (["-d", "other.jsonl"], "data.train_path"),
     "eval_dataset": (["-ed", '{"gsm": "gsm.jsonl"}'], "data.eval_paths"),

@@ -6,7 +6,8 @@ another unit of its own layer (units of one layer are independent of each other)
 
   1. leaves            lazy_exports, third_party_noise, profiling, metrics, nvidia_driver, run_outputs, prompts,
                        local_ray, ray_address, env_builds: import nothing of ours
-  2. foundations       algorithms (pure tensor math), vision, schedule (pure state machines), reward, startup
+  2. foundations       algorithms (pure tensor math), vision, moe (routing math, MoE blocks), schedule (pure state
+                       machines), reward, startup
   3. config            the frozen run config
   4.                   config_fields, config_resolve
   5.                   presets
@@ -44,7 +45,7 @@ SOURCE_ROOTS = {PACKAGE: REPO / "colossal_rl", f"{PACKAGE}.reward": REPO / "rewa
 LAYERS = (
     "lazy_exports third_party_noise profiling metrics nvidia_driver run_outputs prompts local_ray ray_address "
     "env_builds",
-    "algorithms vision schedule reward startup",
+    "algorithms vision moe schedule reward startup",
     "config",
     "config_fields config_resolve",
     "presets",
