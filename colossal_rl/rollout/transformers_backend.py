@@ -13,6 +13,7 @@ from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.batcher import DecodedGroup
 from colossal_rl.rollout.continuous_batching import ContinuousBatcher
 from colossal_rl.rollout.decoding import DecodedResponses, StopStringWatch, sample_responses
+from colossal_rl.rollout.gqa_decode_attention import use_in_this_process as use_decode_attention_without_kv_copy
 from colossal_rl.rollout.tokenizer_loading import load_tokenizer
 from colossal_rl.vision.inputs import VisionInputs, model_vision_kwargs
 from colossal_rl.vision.models import auto_model_class, is_vision_language_config
@@ -99,6 +100,7 @@ class TransformersBackend:
         """``record_routes``: a mixture-of-experts model's expert choices come with every generated sample
         (routing replay); raises for a model without MoE blocks."""
         self.device = generation_device() if device is None else torch.device(device)
+        use_decode_attention_without_kv_copy()  # this process samples: decode steps stop copying the KV cache
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.processor = None
         """A vision-language model's processor (chat template, tokenizer, image processor); None for text."""
