@@ -1036,6 +1036,17 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_moe_routing_replay.py::test_same_weights_the_trainer_recomputes_the_behaviour_logprobs_with_and_without_replay[padded]",
         ),
     ),
+    Mutation(
+        name="decode_attention_wrong_kv_head",
+        why="the decode step's query heads read the wrong key/value head (h % groups instead of h // groups)",
+        path="colossal_rl/rollout/gqa_decode_attention.py",
+        old="    grouped = query.reshape(batch, heads // groups, groups, dim)  # query head h reads key/value head h // groups",
+        new="    grouped = query.reshape(batch, groups, heads // groups, dim).transpose(1, 2).reshape(batch, heads // groups, groups, dim)",
+        tests=(
+            "tests/unit/test_gqa_decode_attention.py::test_one_decode_position_equals_transformers_attention_with_its_mask",
+            "tests/unit/test_gqa_decode_attention.py::test_sampling_through_it_gives_the_same_tokens_and_logprobs",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
