@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colossal_rl.moe.routing import NOT_RECORDED, choose_experts, differing_choices
+from colossal_rl.moe.routing import choose_experts, differing_choices
 
 MOE_BLOCK_CLASSES = ("Qwen3MoeSparseMoeBlock",)
 """Class names of the MoE blocks :func:`moe_routing` knows how to run."""
@@ -61,10 +61,6 @@ class RoutingSession:
 
         mask = token_mask.reshape(-1).bool()
         return load_balance_loss(self.last_router_logits, self.last_choice, mask, self.num_experts)
-
-    @property
-    def differing_fraction(self) -> float:
-        return self.differing / self.replayed if self.replayed else 0.0
 
 
 @contextmanager
@@ -129,8 +125,3 @@ def _routed_forward(
         current_hidden_states = block.experts[expert_index](current_state) * routing_weights[token, token_slot, None]
         final_hidden_states.index_add_(0, token, current_hidden_states.to(hidden_states.dtype))
     return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim), router_logits
-
-
-def no_route_like(values: torch.Tensor, num_layers: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """[*values.shape, layers, k] of ``NOT_RECORDED``: the routes of tokens nobody recorded."""
-    return torch.full((*values.shape, num_layers, top_k), NOT_RECORDED, dtype=dtype, device=values.device)
