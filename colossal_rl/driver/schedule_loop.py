@@ -111,7 +111,8 @@ class ScheduleLoop:
             if self.scheduler.finished and not self._busy_beyond_chunks():
                 break
             item = self._wait_one()
-            self._answer(item, gather(item.calls, self.driver.timeout), progress)  # all finished: no wait
+            if item is not None:
+                self._answer(item, gather(item.calls, self.driver.timeout), progress)  # all finished: no wait
         progress.close()
         if driver.step < self.total_steps:
             counts = self.scheduler.metrics()
@@ -190,8 +191,10 @@ class ScheduleLoop:
         self.waiting.append(Waiting(kind, calls, subject))
         self._unanswered.update(call.ref for call in calls)
 
-    def _wait_one(self) -> Waiting:
-        """The next waited-on item whose calls all finished (fails fast, naming the actor, when one failed)."""
+    def _wait_one(self) -> Waiting | None:
+        """The next waited-on item whose calls all finished (fails fast, naming the actor, when one failed); None
+        after restarted producers were dealt with, so the loop decides again: rows handed out again are ordered
+        at once (with every chunk in flight lost, nothing else would wake it)."""
         while True:
             refs = list(self._unanswered)
             if not refs:
@@ -209,7 +212,7 @@ class ScheduleLoop:
                     gather(item.calls, self.driver.timeout)  # raises RunFailed naming every failed call
                 except RunFailed as failure:
                     self._recover(failure, item)  # re-raises unless producers died and were restarted
-                    continue
+                    return None
             if not any(call.ref in self._unanswered for call in item.calls):
                 self.waiting.remove(item)
                 return item
@@ -334,7 +337,8 @@ class ScheduleLoop:
             return
         while self.scheduler.settles_before_snapshot and self._kinds("chunk"):
             item = self._wait_one()
-            self._answer(item, gather(item.calls, driver.timeout), progress)
+            if item is not None:  # None: lost chunks were made again (rounds), and are waited for here too
+                self._answer(item, gather(item.calls, driver.timeout), progress)
         waiting = {group.chunk_id for group in self.scheduler.waiting_groups()}
         save_run(
             run_dir=driver.run_dir,

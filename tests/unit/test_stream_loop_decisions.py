@@ -167,6 +167,29 @@ def test_a_chunk_lost_with_its_producer_hands_its_rows_out_again_first(monkeypat
     assert [order.rows for order in again] == [lost.subject.rows]
 
 
+def test_when_every_chunk_in_flight_is_lost_the_loop_decides_again_and_orders_their_rows(monkeypatch):
+    """The producer of every call in flight died (one producer, continuous batching: all its chunks at once): the
+    wait deals with the death and hands back no item, so the loop orders the rows again instead of finding nothing
+    in flight and ending the run as stalled."""
+    loop, driver = loop_on(config())
+    loop._decide()
+    lost = next(item for item in loop.waiting if item.kind == "chunk" and item.subject.producer_rank == 1)
+    for item in [item for item in loop.waiting if item is not lost]:
+        loop._forget(item)
+    failure = RunFailed("producer 1 died", {lost.calls[0].actor: "died"})
+    driver.restarted_producers = lambda failure, calls, whole_sync: [1]
+    monkeypatch.setattr(schedule_loop, "_lost", lambda call: call in lost.calls)
+    monkeypatch.setattr(schedule_loop.ray, "wait", lambda refs, num_returns, timeout: (refs[:1], refs[1:]))
+    monkeypatch.setattr(schedule_loop, "call_outcome", lambda ref: ("died", None))
+    monkeypatch.setattr(schedule_loop, "gather", lambda calls, timeout: (_ for _ in ()).throw(failure))
+    calls(driver)
+    assert loop._wait_one() is None
+    assert not loop.waiting and loop.scheduler.counters.requeued_groups == 2
+    loop._decide()
+    again = [item.subject for item in loop.waiting if item.kind == "chunk"]
+    assert lost.subject.rows in [order.rows for order in again]
+
+
 @pytest.mark.parametrize("interval", [2, 3])
 def test_the_eval_is_ordered_behind_the_sync_of_exactly_its_step_and_never_at_the_last(interval):
     loop, driver = loop_on(config(eval_interval=interval), total_steps=3)
