@@ -180,6 +180,9 @@ class VllmEngineConfig:
     """Split long prompts' prefill into chunks scheduled together with decoding steps."""
     max_model_len: int | None = None
     """Longest prompt + response the engine holds; None: -mpt + -mnt, capped by the model's context length."""
+    block_size: int | None = None
+    """Tokens per KV-cache block; None: vLLM's default (16 on GPU, 128 on CPU). The prefix cache reuses whole
+    blocks only: smaller blocks share more of a group's prompt, at more bookkeeping per step."""
     weight_receive: WeightReceive = "auto"
     """Who receives each weight sync. ``workers``: every tensor-parallel worker of the engine joins the sync and
     loads what it received (no copy through the engine's RPC; ``rollout/vllm_worker_receive.py``). ``producer``: the
@@ -191,6 +194,7 @@ class VllmEngineConfig:
         _require(0 < self.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization", "must be in (0, 1]")
         _require_choice(self.weight_receive, WeightReceive, "generation.vllm.weight_receive")
         _require(self.max_model_len is None or self.max_model_len >= 1, "generation.vllm.max_model_len", "must be >= 1")
+        _require(self.block_size is None or self.block_size >= 1, "generation.vllm.block_size", "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,11 +218,12 @@ class GenerationConfig:
     finish; every chunk is one prompt, and its group leaves the producer as soon as it is scored. transformers: our
     own batcher (``rollout/continuous_batching.py``); vLLM: its engine fed prompt by prompt
     (``rollout/vllm_continuous.py``). Text models, single-turn. Weight syncs wait for the running rows to finish
-    (unless ``partial_rollouts``, transformers only)."""
+    (unless ``partial_rollouts``)."""
     partial_rollouts: bool = False
     """With ``continuous_batching``: a weight sync does not wait for the running rows; they stop between two
     decode steps, the new weights load, each row's prompt and tokens so far are re-prefilled, and decoding goes on,
-    so a response may hold tokens of two versions. Every token keeps the version that sampled it and its behaviour
+    so a response may hold tokens of two versions (vLLM: each running request is aborted and added again with its
+    tokens so far as its prompt; ``rollout/vllm_partial_rollouts.py``). Every token keeps the version that sampled it and its behaviour
     log-prob (``RolloutBatch.token_versions``); staleness counts from the version a group started with."""
     stop_strings: tuple[str, ...] | None = None
     """Generation stops after any of these strings (kept in the response). None (resolved): ``</answer>``
@@ -985,14 +990,10 @@ class RLConfig:
             _require(not condition, "schedule.mode", f"stream does not support {what} or --schedule rounds")
 
     def _validate_partial_rollouts(self) -> None:
-        """Only the transformers backend's continuous-batching engine can pause mid-response and re-prefill."""
+        """A continuous-batching engine (either backend) pauses mid-response at the stream schedule's syncs."""
         if not self.generation.partial_rollouts:
             return
         needs = (
-            (
-                self.generation.backend == "transformers",
-                "needs a backend that can pause a response mid-way (vLLM's cannot here): use -b transformers",
-            ),
             (
                 self.schedule.mode == "stream",
                 "loads weights mid-response at the stream schedule's syncs: add --schedule stream",

@@ -120,6 +120,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--enforce-eager",), "generation.vllm.enforce_eager", kind="toggle"),
     Flag(("--enable-chunked-prefill",), "generation.vllm.enable_chunked_prefill", kind="toggle"),
     Flag(("--max-model-len",), "generation.vllm.max_model_len"),
+    Flag(("--block-size",), "generation.vllm.block_size"),
     Flag(("--vllm-weight-receive",), "generation.vllm.weight_receive"),
     # algorithm
     Flag(("-a", "--algo"), "algorithm.name", "Algorithm preset (colossal_rl/presets.py).", type=str.upper),

@@ -1037,6 +1037,39 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        name="vllm_prefix_cache_kept_after_a_load",
+        why="the engine's prefix cache is not emptied after a weight load: samples continued mid-flight reuse KV blocks of the old weights",
+        path="colossal_rl/rollout/vllm_backend.py",
+        old="        if not self.llm.reset_prefix_cache():",
+        new="        if False:",
+        tests=(
+            "tests/vllm_engine/test_vllm_engine.py::test_partial_rollouts_sampled_tokens_keep_the_log_probs_of_the_version_that_sampled_them",
+            "tests/vllm_engine/test_vllm_engine.py::test_partial_rollouts_greedy_tokens_after_a_workers_load_are_the_new_weights_continuation",
+        ),
+    ),
+    Mutation(
+        name="vllm_partial_tokens_labelled_with_admission_version",
+        why="vLLM partial rollouts label every token with its group's admission version: tokens after a load carry the old one",
+        path="colossal_rl/rollout/vllm_partial_rollouts.py",
+        old="            sample.versions += [self.policy_version] * len(tokens)",
+        new="            sample.versions += [group.policy_version] * len(tokens)",
+        tests=(
+            "tests/unit/test_vllm_partial_rollouts.py::test_samples_at_different_depths_go_on_from_their_tokens_under_the_new_weights[sampled]",
+            "tests/unit/test_vllm_partial_rollouts.py::test_rows_carry_each_tokens_version_and_other_requests_run_beside",
+        ),
+    ),
+    Mutation(
+        name="vllm_partial_continues_without_its_tokens",
+        why="a sample stopped for a load starts over from its prompt instead of going on from its tokens so far",
+        path="colossal_rl/rollout/vllm_partial_rollouts.py",
+        old='        return {"prompt_token_ids": self.prompt + self.tokens}, params',
+        new='        return {"prompt_token_ids": self.prompt}, params',
+        tests=(
+            "tests/unit/test_vllm_partial_rollouts.py::test_samples_at_different_depths_go_on_from_their_tokens_under_the_new_weights[greedy]",
+            "tests/unit/test_vllm_partial_rollouts.py::test_each_sample_goes_on_as_its_own_request_with_what_is_left_and_a_new_seed",
+        ),
+    ),
+    Mutation(
         name="decode_attention_wrong_kv_head",
         why="the decode step's query heads read the wrong key/value head (h % groups instead of h // groups)",
         path="colossal_rl/rollout/gqa_decode_attention.py",

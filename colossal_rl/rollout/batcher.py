@@ -1,7 +1,8 @@
 """What a continuous batcher is: the interface ``EngineService`` drives, and the groups it hands back.
 
 Two engines implement it: ``continuous_batching.ContinuousBatcher`` (the transformers model) and
-``vllm_continuous.VllmContinuousBatcher`` (vLLM's own engine). A batcher is single-threaded; whoever steps it
+``vllm_continuous.VllmContinuousBatcher`` (vLLM's own engine; ``vllm_partial_rollouts.VllmPartialBatcher`` with
+partial rollouts). A batcher is single-threaded; whoever steps it
 holds it exclusively. It never loads weights: whoever does calls :meth:`Batcher.take_new_weights`
 right after. Imports neither transformers nor vLLM.
 """
@@ -59,6 +60,11 @@ class Batcher(Protocol):
 
     def step(self, admit: bool = True) -> list[DecodedGroup]:
         """Admit waiting prompts (unless ``admit`` is False), decode one step; the groups that finished."""
+        ...
+
+    def before_new_weights(self) -> None:
+        """Partial rollouts: the weights are about to be replaced while rows run; stop sampling with the old ones
+        (rows keep their tokens so far and go on at :meth:`take_new_weights`)."""
         ...
 
     def take_new_weights(self, version: int) -> None:

@@ -5,8 +5,9 @@ A thread of its own steps a ``Batcher`` (``batcher.py``: the transformers or the
 returns as soon as its prompts are done, while the engine goes on decoding the others'. Weights change only at a
 safe point: :meth:`load_weights` stops admitting prompts, waits until no row is running (every group finishes with
 the version it started with), loads, and labels what is admitted next with the new version. With partial rollouts
-(``--partial-rollouts``) it does not wait: it pauses decoding between two steps, loads, re-prefills the running
-rows with the new weights (``Batcher.take_new_weights``) and lets decoding go on, so a response may span two
+(``--partial-rollouts``) it does not wait: it pauses decoding between two steps, stops the running rows
+(``Batcher.before_new_weights``: vLLM's leave its engine), loads, continues them from their tokens so far under the
+new weights (``Batcher.take_new_weights``: re-prefilled) and lets decoding go on, so a response may span two
 versions (each token records its own). :meth:`exclusive` runs something else on the model (an evaluation) with
 decoding paused. Every wait is bounded.
 
@@ -72,8 +73,13 @@ class EngineService:
             try:
                 if not self.partial_rollouts:
                     self._wait_for(lambda: self.batcher.idle, deadline, "the running rows to finish before a load")
-                load()
-                self.batcher.take_new_weights(version)
+                self.batcher.before_new_weights()
+                try:
+                    load()
+                    self.batcher.take_new_weights(version)
+                except BaseException as error:  # rows stopped for a load that failed cannot go on: say so to callers
+                    self._failure = error
+                    raise
             finally:
                 self._loading = False
                 self._lock.notify_all()

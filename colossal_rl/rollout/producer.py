@@ -125,7 +125,8 @@ class Producer:
         generation = config.generation
         max_rows = generation.microbatch_size * generation.num_generations
         return EngineService(
-            self.backend.continuous_batcher(self._train_sampling(), generation.num_generations, max_rows),
+            self.backend.continuous_batcher(self._train_sampling(), generation.num_generations, max_rows,
+                                            partial_rollouts=generation.partial_rollouts),  # fmt: skip
             partial_rollouts=generation.partial_rollouts,
         )
 

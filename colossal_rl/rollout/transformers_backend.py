@@ -179,8 +179,11 @@ class TransformersBackend:
             return output
         return replace(output, **recorded_routes(output, decoded, num_samples))
 
-    def continuous_batcher(self, sampling: SamplingSettings, num_samples: int, max_rows: int) -> ContinuousBatcher:
-        """A continuous-batching engine on this backend's model (``rollout/continuous_batching.py``); text only."""
+    def continuous_batcher(
+        self, sampling: SamplingSettings, num_samples: int, max_rows: int, *, partial_rollouts: bool = False
+    ) -> ContinuousBatcher:
+        """A continuous-batching engine on this backend's model (``rollout/continuous_batching.py``); text only.
+        Its rows can always go on across a weight load (``partial_rollouts`` changes nothing here)."""
         if self.rope_tokens is not None:
             raise ValueError("continuous batching does not take vision-language models yet")
         return ContinuousBatcher(

@@ -127,6 +127,7 @@ def engine_kwargs(
         enable_chunked_prefill=engine.enable_chunked_prefill and not on_cpu,
         max_model_len=max_len,
         enable_prefix_caching=True,  # reset after every weight load (VllmBackend.load_weights)
+        block_size=engine.block_size,  # None: the platform's default
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from, not the raw logits'
         worker_extension_cls=WORKER_EXTENSION,
         trust_remote_code=trust_remote_code,
@@ -266,21 +267,32 @@ class VllmBackend:
         return to_generation_output(outputs, num_samples=num_samples, pad_token_id=self.pad_token_id,
                                     decode=self._decode, prompt_ids=ours)  # fmt: skip
 
-    def continuous_batcher(self, sampling: SamplingSettings, num_samples: int, max_rows: int) -> Batcher:
+    def continuous_batcher(
+        self, sampling: SamplingSettings, num_samples: int, max_rows: int, *, partial_rollouts: bool = False
+    ) -> Batcher:
         """``--continuous-batching``: prompts fed to this engine as they arrive, groups back as they end
-        (``vllm_continuous.py``); text only. From then on :meth:`generate` runs beside its requests."""
+        (``vllm_continuous.py``); text only. ``partial_rollouts``: running samples go on across a weight load
+        (``vllm_partial_rollouts.py``). From then on :meth:`generate` runs beside its requests."""
         if self.processor is not None:
             raise ValueError("continuous batching does not take vision-language models yet")
         from vllm.sampling_params import RequestOutputKind
 
         from colossal_rl.rollout.vllm_continuous import VllmContinuousBatcher
+        from colossal_rl.rollout.vllm_partial_rollouts import VllmPartialBatcher
 
         def final_only(**kwargs):
             return self._sampling_params_cls(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
 
-        self._continuous = VllmContinuousBatcher(self.llm.llm_engine, sampling, num_samples, max_rows=max_rows,
-                                                 pad_token_id=self.pad_token_id, stop_token_ids=self.eos_token_ids,
-                                                 sampling_params=final_only)  # fmt: skip
+        def streamed(**kwargs):
+            return self._sampling_params_cls(**kwargs, output_kind=RequestOutputKind.DELTA)
+
+        common = dict(max_rows=max_rows, pad_token_id=self.pad_token_id, stop_token_ids=self.eos_token_ids,
+                      sampling_params=final_only)  # fmt: skip
+        if partial_rollouts:
+            self._continuous = VllmPartialBatcher(self.llm.llm_engine, sampling, num_samples, **common,
+                                                  streamed_sampling_params=streamed)  # fmt: skip
+        else:
+            self._continuous = VllmContinuousBatcher(self.llm.llm_engine, sampling, num_samples, **common)
         return self._continuous
 
     def output_of_groups(
@@ -363,8 +375,13 @@ class VllmBackend:
         _check_reached(not_reached)
 
     def _forget_old_weights(self) -> None:
-        """After a load: empty every cache computed with the old weights (KV prefixes; a VLM's image embeddings)."""
-        self.llm.reset_prefix_cache()
+        """After a load: empty every cache computed with the old weights (KV prefixes; a VLM's image embeddings).
+        vLLM empties its prefix cache only when no request holds a block; loads happen only then (continuous
+        batching waits for its requests, or, with partial rollouts, takes them out first), so one that did not
+        is an error: a later request could be served keys and values of the old weights."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache after a weight load: requests still hold "
+                               "blocks computed with the old weights")  # fmt: skip
         if self.processor is not None:
             # The worker's in-place reload empties its encoder cache (image embeddings of the old tower) but the
             # scheduler still counts them cached: the next image prompt killed the engine ("Encoder cache miss",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,7 +37,8 @@ from colossal_rl.rollout.vllm_requests import SEED_RANGE, padded_output, right_p
 @dataclass(frozen=True)
 class VllmGroup(DecodedGroup):
     """A ``DecodedGroup`` that also says which samples ``max_new_tokens`` cut (vLLM knows; EOS or stop string
-    otherwise). ``token_versions`` stays None: one version samples a whole group."""
+    otherwise). ``token_versions``: None when one version samples the whole group; with partial rollouts
+    (``vllm_partial_rollouts.py``) the version of each token."""
 
     truncated: tuple[bool, ...] = ()
     """Per sample: vLLM's ``finish_reason == "length"``."""
@@ -93,7 +94,12 @@ def output_of_groups(
             responses.append(group.response_ids[sample, :length].tolist())
             logprobs.append(group.logprobs[sample, :length].tolist())
         truncated += group.truncated
-    return padded_output(row_prompts, responses, logprobs, truncated, pad_token_id=pad_token_id, decode=decode)
+    output = padded_output(row_prompts, responses, logprobs, truncated, pad_token_id=pad_token_id, decode=decode)
+    if any(group.token_versions is None for group in groups):
+        return output
+    versions = [group.token_versions[sample, :length].tolist() for group in groups
+                for sample, length in enumerate(group.lengths)]  # fmt: skip
+    return replace(output, token_versions=right_pad(versions, -1, torch.long)[0])
 
 
 @dataclass
@@ -184,10 +190,16 @@ class VllmContinuousBatcher:
         finished, self._done = self._done, []
         return finished
 
+    def before_new_weights(self) -> None:
+        """Only while :attr:`idle`: this batcher's requests keep one version from start to end (partial rollouts
+        are ``vllm_partial_rollouts.VllmPartialBatcher``'s)."""
+        if not self.idle:
+            raise RuntimeError("vLLM's continuous batcher was asked to stop its requests for new weights: "
+                               "it has no partial rollouts")  # fmt: skip
+
     def take_new_weights(self, version: int) -> None:
         """The engine's weights were just replaced by ``version`` (``EngineService.load_weights``): label what is
-        admitted next. Only while :attr:`idle`: a vLLM request cannot be paused and continued with new weights here
-        (``--partial-rollouts`` is refused with ``-b vllm``)."""
+        admitted next. Only while :attr:`idle` (partial rollouts: ``VllmPartialBatcher``)."""
         if not self.idle:
             raise RuntimeError("vLLM's continuous batcher took new weights with requests in the engine")
         self.policy_version = version

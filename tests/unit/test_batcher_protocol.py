@@ -13,6 +13,7 @@ from colossal_rl.rollout.backend import SamplingSettings
 from colossal_rl.rollout.batcher import Batcher
 from colossal_rl.rollout.continuous_batching import ContinuousBatcher
 from colossal_rl.rollout.vllm_continuous import VllmContinuousBatcher
+from colossal_rl.rollout.vllm_partial_rollouts import VllmPartialBatcher
 
 SAMPLING = SamplingSettings(temperature=1.0, max_new_tokens=4)
 
@@ -49,11 +50,18 @@ def test_the_protocol_declares_what_the_engine_service_uses():
         "idle": "property",
         "submit": "method",
         "step": "method",
+        "before_new_weights": "method",
         "take_new_weights": "method",
     }
 
 
-@pytest.mark.parametrize("make", [transformers_batcher, vllm_batcher], ids=["transformers", "vllm"])
+def vllm_partial_batcher() -> VllmPartialBatcher:
+    return VllmPartialBatcher(object(), SAMPLING, 2, max_rows=4, pad_token_id=0, stop_token_ids=[0],
+                              sampling_params=dict, streamed_sampling_params=dict)  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [transformers_batcher, vllm_batcher, vllm_partial_batcher],
+                         ids=["transformers", "vllm", "vllm_partial"])  # fmt: skip
 def test_both_batchers_implement_every_member_of_the_protocol(make):
     batcher = make()
     for name, kind in protocol_members().items():

@@ -60,6 +60,7 @@ FLAG_PROBES = {
     "enforce_eager": (["--no-enforce-eager"], "generation.vllm.enforce_eager"),
     "enable_chunked_prefill": (["--no-enable-chunked-prefill"], "generation.vllm.enable_chunked_prefill"),
     "max_model_len": (["--max-model-len", "4096"], "generation.vllm.max_model_len"),
+    "block_size": (["--block-size", "32"], "generation.vllm.block_size"),
     "vllm_weight_receive": (["--vllm-weight-receive", "producer"], "generation.vllm.weight_receive"),
     "algo": (["-a", "RLOO"], "algorithm.name"),
     "learning_rate": (["-lr", "1e-5"], "train.learning_rate"),

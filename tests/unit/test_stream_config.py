@@ -55,10 +55,6 @@ def test_unknown_schedule_is_refused_by_the_parser():
         (["--continuous-batching"], "^--continuous-batching: continuous batching feeds the stream schedule"),
         ([*STREAM, "--continuous-batching", "--env", "calculator"], "^--continuous-batching: decodes single-turn"),
         (
-            [*PARTIAL, "-b", "vllm"],
-            "^--partial-rollouts: needs a backend that can pause a response mid-way .*: use -b transformers$",
-        ),
-        (
             ["--continuous-batching", "--partial-rollouts"],
             "^--partial-rollouts: loads weights mid-response .*: add --schedule stream$",
         ),
@@ -77,6 +73,7 @@ def test_unsupported_or_bad_stream_settings_fail_in_one_line_naming_the_flag(arg
 
 def test_partial_rollouts_reach_the_generation_config_and_default_off():
     assert config_of(PARTIAL).generation.partial_rollouts
+    assert config_of([*PARTIAL, "-b", "vllm"]).generation.partial_rollouts  # vLLM's engine takes them too
     assert not config_of([*STREAM, "--continuous-batching"]).generation.partial_rollouts
 
 

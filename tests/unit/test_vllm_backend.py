@@ -70,6 +70,7 @@ VLLM_LLM_ARGUMENTS = {
     "model", "tensor_parallel_size", "dtype", "seed", "gpu_memory_utilization", "enforce_eager",
     "distributed_executor_backend", "enable_chunked_prefill", "max_model_len", "enable_prefix_caching",
     "trust_remote_code", "limit_mm_per_prompt", "mm_processor_kwargs", "logprobs_mode", "worker_extension_cls",
+    "block_size",
 }  # fmt: skip
 
 
@@ -203,6 +204,9 @@ def test_engine_arguments_come_from_the_config_and_are_vllm_arguments():
     assert trusted["trust_remote_code"] is True
     one_gpu = engine_kwargs("m", VllmEngineConfig(), tensor_parallel_size=1, seed=0, max_len=None)
     assert one_gpu["distributed_executor_backend"] is None
+    assert one_gpu["block_size"] is None  # vLLM's platform default
+    assert engine_kwargs("m", VllmEngineConfig(block_size=32), tensor_parallel_size=1, seed=0,
+                         max_len=None)["block_size"] == 32  # fmt: skip
     assert (one_gpu["gpu_memory_utilization"], one_gpu["enforce_eager"], one_gpu["enable_chunked_prefill"]) == (
         0.7,
         True,

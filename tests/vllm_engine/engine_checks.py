@@ -12,7 +12,9 @@ the installed vLLM's Qwen2.5-VL name mappers; ``language_only_weights`` is a sec
 (a frozen tower's sync), generated from again. A case with ``continuous_max_new_tokens`` also runs the
 continuous-batching checks (``continuous_batching``) and makes its load through ``EngineService`` while prompts decode
 (``load_at_a_safe_point``); its later generations then run beside the batcher's requests. A case with
-``episodes`` runs multi-turn episodes through the backend before any load (``multi_turn_episodes``).
+``episodes`` runs multi-turn episodes through the backend before any load (``multi_turn_episodes``). A case with
+``partial_weights`` makes its loads mid-flight with partial rollouts (``partial_rollouts``): those weights, then
+``weights`` (which the later generations hold).
 """
 
 from __future__ import annotations
@@ -139,6 +141,54 @@ def load_at_a_safe_point(backend, case: dict, prompts: list[list[int]], weights)
         "versions_after": [g.policy_version for g in after],
         "after": output_to_json(backend.output_of_groups(prompts, after, sampling)),
     }
+
+
+def partial_rollouts(backend, case: dict, prompts: list[list[int]], weights: list) -> dict:
+    """``--partial-rollouts`` on this engine (``rollout/vllm_partial_rollouts.py``): twice, a weight load lands
+    while samples run at different depths (two prompts admitted ``partial_steps_before`` engine steps before it, a
+    third 3 steps before it, a fourth after it). First sampled groups, version 1 loaded through the producer's RPC;
+    then greedy ones, version 2 received by the engine's workers. Each generation's rows, their token versions, and
+    the tokens each sample had when the load landed."""
+    import torch
+
+    from colossal_rl.rollout.backend import SamplingSettings
+
+    new = case["partial_max_new_tokens"]
+    plans = [
+        ("sampled", SamplingSettings(temperature=case["temperature"], max_new_tokens=new), 2),
+        ("greedy", SamplingSettings(temperature=1.0, greedy=True, max_new_tokens=new), 1),
+    ]
+    result = {}
+    for version, (name, sampling, samples) in enumerate(plans, start=1):
+        torch.manual_seed(version)
+        batcher = backend.continuous_batcher(sampling, samples, max_rows=16, partial_rollouts=True)
+        batcher.policy_version = version - 1  # what the engine holds (a producer's one batcher counts from 0)
+        order, groups = {}, []
+        for index in (0, 1):
+            order[batcher.submit(prompts[index])] = index
+        for _ in range(case["partial_steps_before"]):
+            groups += batcher.step()
+        order[batcher.submit(prompts[2])] = 2
+        for _ in range(3):
+            groups += batcher.step()
+        batcher.before_new_weights()
+        at_load = {order[g.request_id]: [len(s.tokens) for s in g.samples] for g in batcher._groups.values()}
+        in_engine = backend.llm.llm_engine.get_num_unfinished_requests()
+        if version == 1:
+            backend.load_weights(weights[version - 1])
+        else:
+            receive_in_workers(backend, weights[version - 1], 1, version=version)
+        batcher.take_new_weights(version)
+        order[batcher.submit(prompts[3])] = 3
+        groups += batcher.run()
+        groups.sort(key=lambda g: order[g.request_id])
+        output = backend.output_of_groups(prompts, groups, sampling)
+        result[name] = output_to_json(output) | {
+            "token_versions": output.token_versions.tolist(),
+            "tokens_at_load": [at_load.get(i) for i in range(len(prompts))],
+            "engine_requests_at_load": in_engine,
+        }
+    return result
 
 
 def receive_in_workers(backend, weights, tensor_parallel_size: int, version: int = 1) -> None:
@@ -275,7 +325,8 @@ def run_case(case: dict) -> dict:
 
     started = time.perf_counter()
     try:
-        backend = VllmBackend(case["model"], seed=0, dtype="float32", engine=VllmEngineConfig(max_model_len=128),
+        engine = VllmEngineConfig(max_model_len=128, block_size=case.get("block_size"))
+        backend = VllmBackend(case["model"], seed=0, dtype="float32", engine=engine,
                               tensor_parallel_size=case.get("tensor_parallel_size", 1))  # fmt: skip
     except Exception as error:  # what a user would see: the one line the backend raises
         return {"start_error": str(error), "start_s": time.perf_counter() - started}
@@ -299,7 +350,9 @@ def run_case(case: dict) -> dict:
         weights = load_file(case["weights"])
         started = time.perf_counter()
         service = None
-        if case.get("receive") == "workers":
+        if case.get("partial_weights"):  # version 1 through the producer, then `weights` as version 2 by the workers
+            result["partial"] = partial_rollouts(backend, case, prompts, [load_file(case["partial_weights"]), weights])
+        elif case.get("receive") == "workers":
             receive_in_workers(backend, weights, case.get("tensor_parallel_size", 1))
         elif case.get("continuous_max_new_tokens"):
             service, result["continuous_load"] = load_at_a_safe_point(backend, case, prompts, weights)

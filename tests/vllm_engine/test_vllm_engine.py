@@ -7,7 +7,8 @@ the same weights, before and after a weight load into the engine (the proof that
 layout contract the transformers backend keeps (group-major rows, EOS/stop string kept, truncation, greedy repeats).
 Models: the embedded Qwen2 on 2 tensor-parallel workers, synced twice: through the producer's RPC, then received by
 its workers themselves (each joins the weight sync, receives and loads its shard); a tiny random Qwen3 built here,
-received by its worker; and a model vLLM's CPU attention refuses (head_dim 16).
+received by its worker, both times mid-flight with partial rollouts (``rollout/vllm_partial_rollouts.py``); and a
+model vLLM's CPU attention refuses (head_dim 16).
 
 The Qwen2 engine also runs ``--continuous-batching`` (``rollout/vllm_continuous.py``) before its first sync: groups
 of prompts fed at different steps return as they end and equal ``generate``'s; its first sync is loaded through
@@ -42,6 +43,13 @@ LOGPROB_TOLERANCE = 2e-4
 STOP_STRING = "1"
 CONTINUOUS_MAX_NEW_TOKENS = 24
 """Room for the embedded model's greedy answers to end with EOS at different lengths (3 to 14 tokens)."""
+PARTIAL_BLOCK_SIZE = 32
+"""The Qwen3 engine's KV blocks (CPU's default 128 would fill none here): prefix caching reuses whole blocks, so a
+sample of prompt + tokens past 32 has a block the old weights computed when a load lands mid-flight."""
+PARTIAL_MAX_NEW_TOKENS = 56
+PARTIAL_STEPS_BEFORE = 32
+"""Engine steps (a token each) of the first two prompts before the load: with their 6-8-token prompts, past the
+first block."""
 MESSAGES = [  # the default run's system prompt has spaces: transformers 5 once dropped them all
     [{"role": "system", "content": system_prompt_for("boxed", None)}, {"role": "user", "content": "12 + 3 ="}],
     [{"role": "user", "content": "7+8="}],
@@ -86,7 +94,8 @@ def engine_run(producer_python, tmp_path_factory):
     bad = build_head_dim_16(root / "head_dim_16")
     models = {"qwen2": EMBEDDED_MODEL_DIR, "qwen3": qwen3}
     weights = {}
-    for seed, (name, directory) in enumerate([*models.items(), ("qwen2_workers", EMBEDDED_MODEL_DIR)]):
+    named = [*models.items(), ("qwen2_workers", EMBEDDED_MODEL_DIR), ("qwen3_partial", qwen3)]
+    for seed, (name, directory) in enumerate(named):
         model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
         weights[name] = perturbed_weights(model, root / f"{name}.safetensors", seed)
     cases = [
@@ -103,6 +112,12 @@ def engine_run(producer_python, tmp_path_factory):
     cases[0]["workers_weights"] = str(root / "qwen2_workers.safetensors")
     cases[0]["continuous_max_new_tokens"] = CONTINUOUS_MAX_NEW_TOKENS
     cases[1]["episodes"] = EPISODES
+    cases[1] |= {
+        "partial_weights": str(root / "qwen3_partial.safetensors"),
+        "block_size": PARTIAL_BLOCK_SIZE,
+        "partial_max_new_tokens": PARTIAL_MAX_NEW_TOKENS,
+        "partial_steps_before": PARTIAL_STEPS_BEFORE,
+    }
     cases.append({"name": "head_dim_16", "model": str(bad), "prompts": prompts_of(bad), "temperature": 1.0,
                   "max_new_tokens": 4, "stop_strings": []})  # fmt: skip
     request, result = root / "request.json", root / "result.json"
@@ -352,3 +367,83 @@ def test_multi_turn_episodes_keep_the_engines_tokens_and_mask_the_environments(e
     policy = batch["policy_mask"].bool()
     assert policy.sum() >= 3 * 4 * 3
     torch.testing.assert_close(batch["behaviour_logprobs"][policy], trainer[policy], atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+# --- partial rollouts on the Qwen3 engine (engine_checks.partial_rollouts) ----------------------------------------
+PARTIAL_SERVED = {"sampled": {0: None, 1: "qwen3_partial"}, "greedy": {1: "qwen3_partial", 2: "qwen3"}}
+"""Per partial generation: version -> the weights the engine held (None: the checkpoint's own)."""
+ROW_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "behaviour_logprobs", "truncated")
+GREEDY_TIE = 1e-4
+"""A greedy token may be the trainer's second choice only where its top two logits are this close."""
+
+
+def per_version(engine_run, generation: str, temperature: float) -> tuple[dict, torch.Tensor, dict]:
+    """The rows of a partial generation, their token versions, and per version the trainer's log-probs and logits."""
+    output, model_dir = engine_run["results"]["qwen3"]["partial"][generation], engine_run["models"]["qwen3"]
+    rows = as_tensors({key: output[key] for key in ROW_FIELDS})
+    versions = torch.tensor(output["token_versions"])
+    input_ids = torch.cat([rows["prompt_ids"], rows["response_ids"]], dim=1)
+    attention_mask = torch.cat([rows["prompt_mask"], rows["response_mask"]], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    computed = {}
+    for version, name in PARTIAL_SERVED[generation].items():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
+        if name is not None:
+            model.load_state_dict(engine_run["weights"][name], strict=False)
+            model.tie_weights()
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = logits[:, rows["prompt_ids"].shape[1] - 1 : -1].float()
+        computed[version] = ((logits / temperature).log_softmax(-1).gather(-1, rows["response_ids"][..., None])[..., 0],
+                             logits)  # fmt: skip
+    return rows, versions, computed
+
+
+def assert_load_landed_mid_flight(engine_run, generation: str, rows: dict, versions: torch.Tensor, samples: int):
+    """Prompts 0-2 were running when the load landed, at different depths; prompt 3 came after it; every
+    response's tokens are the old version's, then the new one's."""
+    old, new = sorted(PARTIAL_SERVED[generation])
+    result = engine_run["results"]["qwen3"]["partial"][generation]
+    assert result["engine_requests_at_load"] == 0
+    at_load = result["tokens_at_load"]
+    assert all(at_load[i] is not None for i in range(3)) and at_load[3] is None
+    assert min(at_load[0] + at_load[1]) > max(at_load[2]) > 0, at_load  # two depths
+    mask = rows["response_mask"].bool()
+    assert torch.equal(versions >= 0, mask)
+    for row in range(versions.shape[0]):
+        real = versions[row][mask[row]].tolist()
+        prompt, sample = divmod(row, samples)
+        if prompt == 3:
+            assert set(real) == {new}
+        else:
+            assert real == [old] * at_load[prompt][sample] + [new] * (len(real) - at_load[prompt][sample]), row
+    assert any(old in versions[r] and new in versions[r] for r in range(versions.shape[0]))
+
+
+def test_partial_rollouts_sampled_tokens_keep_the_log_probs_of_the_version_that_sampled_them(engine_run):
+    """A load through the producer's RPC lands with samples running: each token's behaviour log-prob is the
+    trainer's recompute under the version that sampled it, the tokens after the load too (their KV cache was
+    recomputed under the new weights, none reused from the old)."""
+    rows, versions, computed = per_version(engine_run, "sampled", TEMPERATURE)
+    assert_load_landed_mid_flight(engine_run, "sampled", rows, versions, samples=2)
+    for version, (logprobs, _) in computed.items():
+        mask = versions == version
+        assert mask.sum() >= 16
+        torch.testing.assert_close(rows["behaviour_logprobs"][mask], logprobs[mask], atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_partial_rollouts_greedy_tokens_after_a_workers_load_are_the_new_weights_continuation(engine_run):
+    """Received by the engine's workers mid-flight: each greedy token is the argmax of the version that sampled it
+    given the prompt and every token before it, so the tokens after the load are the new weights' continuation of
+    prompt + the tokens so far. The first two prompts' sequences had filled a KV block under the old weights when
+    the load landed: a block reused from the prefix cache would make the new version's tokens differ."""
+    rows, versions, computed = per_version(engine_run, "greedy", 1.0)
+    assert_load_landed_mid_flight(engine_run, "greedy", rows, versions, samples=1)
+    at_load = engine_run["results"]["qwen3"]["partial"]["greedy"]["tokens_at_load"]
+    prompt_lengths = rows["prompt_mask"].sum(1)
+    assert all(prompt_lengths[i] + at_load[i][0] > PARTIAL_BLOCK_SIZE for i in (0, 1)), (prompt_lengths, at_load)
+    for version, (logprobs, logits) in computed.items():
+        mask = versions == version
+        chosen = logits.gather(-1, rows["response_ids"][..., None])[..., 0]
+        assert (chosen[mask] >= logits.amax(-1)[mask] - GREEDY_TIE).all(), f"v{version}: not its greedy choice"
+        torch.testing.assert_close(rows["behaviour_logprobs"][mask], logprobs[mask], atol=LOGPROB_TOLERANCE, rtol=0)
