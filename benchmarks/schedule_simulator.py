@@ -11,7 +11,8 @@ durations instead of actors:
 - a training step takes ``overhead + tokens x train-token time / trainers``;
 - a weight sync costs ``--sync-s``. ``--sync-model broadcast`` (today's): one collective of the trainers and
   every producer, which a producer joins when the sync reaches the head of its call queue (after the chunks
-  ordered before it; with continuous batching, after draining them); ``staged``: the trainers pay the sync
+  ordered before it; with continuous batching, after draining them, or with ``--partial-rollouts`` at once,
+  its running samples going on); ``staged``: the trainers pay the sync
   and go on, each producer pays it when it reaches the sync in its queue (nobody waits for the other side).
 
 Response lengths (``--lengths``): ``const:N``, ``uniform:LO,HI``, ``lognormal:MU,SIGMA,MAX[,MIN]``
@@ -94,6 +95,8 @@ class Shape:
     long answers from every sample)."""
     prompt_tokens: int = 80
     continuous: bool = False
+    partial: bool = False
+    """With ``continuous``: a sync does not wait for the running samples (partial rollouts); they go on."""
     sync_model: str = "broadcast"
     on_straggler: str = "drop"
     prefill_s: float = 0.16
@@ -351,8 +354,9 @@ class Simulation:
             producer.active += 1
             duration = self.shape.prefill_s + length * self.shape.decode_step_s
             self.at(duration, lambda c=chunk_id, r=row, d=duration: self._sample_finished(producer, c, r, d))
-        if producer.active == 0 and not producer.waiting_samples and producer.calls:
-            _, version = producer.calls.popleft()  # a sync, and the slots are drained
+        drained = producer.active == 0 and not producer.waiting_samples
+        if producer.calls and (drained or (self.shape.partial and producer.calls[0][0] == "sync")):
+            _, version = producer.calls.popleft()  # a sync: the slots are drained, or (partial) go on across it
             self._reach_sync(producer, version)
 
     def _sample_finished(self, producer: Producer, chunk_id: int, row: int, duration: float) -> None:
@@ -429,6 +433,10 @@ class Result:
 
 
 def simulate(name: str, shape: Shape) -> Result:
+    """``rounds`` decodes in fixed batches whatever ``shape`` says: continuous batching (and so partial rollouts)
+    feeds the stream schedule only, as in a real run."""
+    if name == "rounds":
+        shape = replace(shape, continuous=False, partial=False)
     scheduler = round_scheduler(shape) if name == "rounds" else streaming_scheduler(shape)
     simulation = Simulation(scheduler, shape)
     stats = simulation.run()
@@ -499,8 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = Shape()
     for name, value in vars(defaults).items():
         flag = "--" + name.replace("_", "-")
-        if name == "continuous":
-            continue  # --continuous-batching, below
+        if name in ("continuous", "partial"):
+            continue  # --continuous-batching, --partial-rollouts: below
         if name == "lengths":
             parser.add_argument(flag, default=None, help=f"response lengths: {LENGTHS_HELP}")
         elif name in ("sync_model", "on_straggler"):
@@ -512,6 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--continuous-batching", dest="continuous", action="store_true", default=None,
         help="a finished sample's slot takes the next queued sample (streaming: one-prompt chunks)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--partial-rollouts", dest="partial", action="store_true", default=None,
+        help="with --continuous-batching: a sync does not drain the running samples, they go on after it (the "
+        "recompute of their tokens so far is not charged)",
     )  # fmt: skip
     return parser
 

@@ -10,6 +10,9 @@ stream/rounds ratio. Also prints (b)'s measured response-length histogram for ``
 whose responses run to ``-mnt``. (c): the default task with ``-a DAPO`` (dynamic sampling).
 
     python benchmarks/stream_long_tail.py --tasks b c --seeds 0 --max-steps 30
+    python benchmarks/stream_long_tail.py --tasks b --backend vllm --model /tmp/wide --against stream stream_partial
+
+``--backend``/``--model`` apply to every run; several ``--against`` schedules start together with rounds.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ SCHEDULES = {
 COMMON = ["--no-wandb", "--no-final-export", "--max-actor-restarts", "0", "-ei", "0", "--timeout", "600"]
 
 
-def start(task: str, schedule: str, seed: int, max_steps: int, save_dir: Path) -> subprocess.Popen:
-    command = [sys.executable, "rl_example.py", *TASKS[task], *SCHEDULES[schedule], *COMMON]
+def start(task: str, schedule: str, seed: int, max_steps: int, save_dir: Path, extra: list[str]) -> subprocess.Popen:
+    command = [sys.executable, "rl_example.py", *TASKS[task], *SCHEDULES[schedule], *COMMON, *extra]
     command += ["--seed", str(seed), "--max-steps", str(max_steps), "-sd", str(save_dir)]
     log = (save_dir.parent / f"{save_dir.name}.log").open("w")
     return subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -75,9 +78,12 @@ def response_lengths(records: list[dict]) -> list[float]:
     return [r["rollout/response_length"] for r in records if r["kind"] == "rollout" and "rollout/response_length" in r]
 
 
-def run_pair(task: str, seed: int, max_steps: int, root: Path, schedules: list[str]) -> dict[str, dict]:
+def run_pair(
+    task: str, seed: int, max_steps: int, root: Path, schedules: list[str], extra: list[str]
+) -> dict[str, dict]:
+    """The runs of ``schedules`` for one task and seed, started together (the same background load for all)."""
     dirs = {schedule: root / f"{task}-{schedule}-seed{seed}" for schedule in schedules}
-    processes = {schedule: start(task, schedule, seed, max_steps, d) for schedule, d in dirs.items()}
+    processes = {schedule: start(task, schedule, seed, max_steps, d, extra) for schedule, d in dirs.items()}
     for schedule, process in processes.items():
         if process.wait(timeout=3600) != 0:
             raise RuntimeError(f"{task} {schedule} seed {seed} failed: see {dirs[schedule]}.log")
@@ -103,32 +109,43 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument(
         "--against",
+        nargs="+",
         choices=["stream", "stream_batched", "stream_partial"],
-        default="stream",
-        help="what runs beside rounds",
+        default=["stream"],
+        help="what runs beside rounds (several: all started together with it)",
     )
+    parser.add_argument("--backend", choices=["transformers", "vllm"], default="transformers", help="-b of every run")
+    parser.add_argument("--model", help="-m of every run (scripts/widen_model.py: a bigger model that does the task)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs here (default: a temporary dir)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     root = args.keep or Path(tempfile.mkdtemp(prefix="stream_long_tail_"))
     root.mkdir(parents=True, exist_ok=True)
+    extra = ["-b", args.backend] + (["-m", args.model] if args.model else [])
     logger.info(
-        "| task | seed | rounds samples/s | stream samples/s | ratio | eval after (rounds, stream) | steps (rounds, "
-        "stream) | stream lag |"
+        "| task | seed | against | rounds samples/s | its samples/s | ratio | eval after (rounds, it) | steps (rounds, "
+        "it) | its lag |"
     )
-    logger.info("|---|---:|---:|---:|---:|---|---|---:|")
+    logger.info("|---|---:|---|---:|---:|---:|---|---|---:|")
     for task in args.tasks:
         for seed in args.seeds:
-            result = run_pair(task, seed, args.max_steps, root, ["rounds", args.against])
-            rounds, stream = result["rounds"], result[args.against]
-            logger.info(
-                "| %s | %d | %.1f | %.1f | %.2fx | %.3f, %.3f | %d, %d | %.2f |", task, seed, rounds["samples_per_s"],
-                stream["samples_per_s"], stream["samples_per_s"] / rounds["samples_per_s"], rounds["eval_after"],
-                stream["eval_after"], rounds["steps"], stream["steps"], stream["staleness"],
-            )  # fmt: skip
+            result = run_pair(task, seed, args.max_steps, root, ["rounds", *args.against], extra)
+            rounds = result["rounds"]
+            for against in args.against:
+                stream = result[against]
+                logger.info(
+                    "| %s | %d | %s | %.1f | %.1f | %.2fx | %.3f, %.3f | %d, %d | %.2f |", task, seed, against,
+                    rounds["samples_per_s"], stream["samples_per_s"], stream["samples_per_s"] / rounds["samples_per_s"],
+                    rounds["eval_after"], stream["eval_after"], rounds["steps"], stream["steps"], stream["staleness"],
+                )  # fmt: skip
     if "b" in args.tasks:
         logger.info("(b) per-group mean response lengths, for schedule_simulator --lengths: %s", length_histogram(root))
-    logger.info("runs in %s (beside rounds: %s)", root, " ".join(SCHEDULES[args.against]))
+    logger.info(
+        "runs in %s (%s; beside rounds: %s)",
+        root,
+        " ".join(extra),
+        "; ".join(" ".join(SCHEDULES[a]) for a in args.against),
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ vLLM / transformers, and each backend's start-up (engine or model load, counted 
 the number of rollout rounds after which vLLM's start-up has paid for itself,
 ``start_vllm - start_tf`` / (``round_tf`` - ``round_vllm``).
 
-    python benchmarks/vllm_producer.py [--reps 5] [--threads 1]
+    python benchmarks/vllm_producer.py [--reps 5] [--threads 1] [--model DIR]
     python benchmarks/vllm_producer.py --full-runs    # the default run (python rl_example.py) with each backend
     python benchmarks/vllm_producer.py --sync         # a weight sync into the engine: the two receive routes
 
@@ -36,8 +36,9 @@ PROMPTS = 16
 SAMPLES = 8
 
 
-def serve(backend_name: str, threads: int) -> None:
-    """Worker: build the backend, report its start-up, then answer one JSON request per stdin line."""
+def serve(backend_name: str, threads: int, model: str | None = None) -> None:
+    """Worker: build the backend (``model``, default the embedded one), report its start-up, then answer one JSON
+    request per stdin line."""
     import torch
 
     torch.set_num_threads(threads)
@@ -48,7 +49,7 @@ def serve(backend_name: str, threads: int) -> None:
     from colossal_rl.rollout.backend_factory import create_backend
 
     started = time.perf_counter()
-    backend = create_backend(backend_name, str(EMBEDDED_MODEL_DIR), weights_dtype="float32", max_sequence_tokens=256,
+    backend = create_backend(backend_name, model or str(EMBEDDED_MODEL_DIR), weights_dtype="float32", max_sequence_tokens=256,
                              vllm_engine=VllmEngineConfig(max_model_len=256))  # fmt: skip
     print(json.dumps({"start_s": time.perf_counter() - started}), flush=True)
     config = RLConfig()
@@ -66,7 +67,7 @@ def serve(backend_name: str, threads: int) -> None:
         print(json.dumps({"seconds": seconds, "samples": output.response_ids.shape[0], "tokens": tokens}), flush=True)
 
 
-def start_worker(backend_name: str, threads: int) -> subprocess.Popen:
+def start_worker(backend_name: str, threads: int, model: str | None = None) -> subprocess.Popen:
     if backend_name == "vllm":
         from colossal_rl.producer_env import ensure_producer_env, producer_env_vars
 
@@ -74,8 +75,9 @@ def start_worker(backend_name: str, threads: int) -> subprocess.Popen:
         env = os.environ | producer_env_vars("cpu")
     else:
         python, env = sys.executable, None
-    return subprocess.Popen([python, __file__, "--serve", backend_name, "--threads", str(threads)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    command = [python, __file__, "--serve", backend_name, "--threads", str(threads)]
+    command += ["--model", model] if model else []
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
 def ask(worker: subprocess.Popen, request: dict | None = None) -> dict:
@@ -213,6 +215,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each backend's process")
     parser.add_argument("--full-runs", action="store_true", help="time the whole default run with each backend")
     parser.add_argument("--sync", action="store_true", help="a weight sync into the engine by both receive routes")
+    parser.add_argument(
+        "--model",
+        help="model directory (default: the embedded model; scripts/widen_model.py "
+        "makes bigger ones that still do its task)",
+    )
     parser.add_argument("--serve", choices=("vllm", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--sync-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -233,9 +240,9 @@ def main() -> int:
             subprocess.run(command, check=True, env=os.environ | producer_env_vars("cpu"), timeout=1200)
         return 0
     if args.serve:
-        serve(args.serve, args.threads)
+        serve(args.serve, args.threads, args.model)
         return 0
-    workers = {name: start_worker(name, args.threads) for name in ("transformers", "vllm")}
+    workers = {name: start_worker(name, args.threads, args.model) for name in ("transformers", "vllm")}
     startup = {name: ask(worker)["start_s"] for name, worker in workers.items()}
     results = {shape: {name: [] for name in workers} for shape in SHAPES}
     for shape in SHAPES:
