@@ -178,6 +178,8 @@ class Producer:
     slot_use_s: float = 0.0  # sample-seconds decoded in finished chunks or samples (slot occupancy)
     # continuous batching
     waiting_samples: deque = field(default_factory=deque)  # (chunk_id, row, length)
+    paused_s: float = 0.0  # partial rollouts: seconds its running samples were held by syncs so far
+    pause_started: float | None = None  # when the sync holding them began (None: not held)
     active: int = 0
 
 
@@ -332,7 +334,10 @@ class Simulation:
         def loaded() -> None:
             producer.version = version
             producer.busy = False
-            producer.clock.enter("idle", self.now)
+            if producer.pause_started is not None:  # the held samples' tokens so far are prefilled again
+                producer.paused_s += self.now - producer.pause_started + self.shape.prefill_s
+                producer.pause_started = None
+            producer.clock.enter("generating" if producer.active else "idle", self.now)
 
         self.at(self.shape.sync_s, loaded)
 
@@ -353,16 +358,33 @@ class Simulation:
                 producer.clock.enter("generating", self.now)
             producer.active += 1
             duration = self.shape.prefill_s + length * self.shape.decode_step_s
-            self.at(duration, lambda c=chunk_id, r=row, d=duration: self._sample_finished(producer, c, r, d))
+            self._finish_later(producer, chunk_id, row, duration, duration, producer.paused_s)
         drained = producer.active == 0 and not producer.waiting_samples
         if producer.calls and (drained or (self.shape.partial and producer.calls[0][0] == "sync")):
             _, version = producer.calls.popleft()  # a sync: the slots are drained, or (partial) go on across it
+            if producer.active:
+                producer.pause_started = self.now  # held (decoding paused) until the new weights are in
             self._reach_sync(producer, version)
+
+    def _finish_later(self, producer: Producer, chunk_id: int, row: int, delay: float, duration: float,
+                      paused: float) -> None:  # fmt: skip
+        """A running sample ends ``delay`` from now, plus however long syncs hold it meanwhile (partial rollouts:
+        ``paused`` is the producer's held seconds when it was last scheduled)."""
+
+        def due() -> None:
+            if producer.pause_started is not None:  # held right now: look again once the sync is over
+                self._finish_later(producer, chunk_id, row, 1e-6, duration, producer.paused_s)
+            elif producer.paused_s > paused:  # held meanwhile: it ends that much later
+                self._finish_later(producer, chunk_id, row, producer.paused_s - paused, duration, producer.paused_s)
+            else:
+                self._sample_finished(producer, chunk_id, row, duration)
+
+        self.at(delay, due)
 
     def _sample_finished(self, producer: Producer, chunk_id: int, row: int, duration: float) -> None:
         producer.active -= 1
         producer.slot_use_s += duration
-        if producer.active == 0:
+        if producer.active == 0 and not producer.busy:
             producer.clock.enter("idle", self.now)
         chunk = self.chunks[chunk_id]
         chunk["left"][row] -= 1
@@ -523,8 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--partial-rollouts", dest="partial", action="store_true", default=None,
-        help="with --continuous-batching: a sync does not drain the running samples, they go on after it (the "
-        "recompute of their tokens so far is not charged)",
+        help="with --continuous-batching: a sync does not drain the running samples: they are held while it runs "
+        "and go on after it, one prefill later (their tokens so far recomputed)",
     )  # fmt: skip
     return parser
 
