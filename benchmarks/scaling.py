@@ -249,14 +249,10 @@ def analyse_run(run_dir: Path) -> dict:
         for key, value in record.items():
             if key.startswith("time/") and isinstance(value, (int, float)):
                 timings.setdefault(key, []).append(float(value))
-    generating = [s.start for actor, spans_ in spans.items() if actor.startswith("producer") for s in spans_
-                  if s.phase == "generate"]  # fmt: skip
-    training = [s.end for actor, spans_ in spans.items() if actor.startswith("trainer") for s in spans_
-                if s.phase != "checkpoint"]  # fmt: skip
     return {
         "profile_wall_s": max(s.end for s in every) - min(s.start for s in every),
         # the first rollout's generation to the last step's end (and its sync): what TRL's train() covers
-        "pipeline_wall_s": max(training) - min(generating),
+        "pipeline_wall_s": vs_trl.pipeline_wall(run_dir),
         "phase_seconds": seconds,
         "phase_shares": busy_fractions(spans),
         "computed_tokens": sum(r.get("train/computed_tokens", 0.0) for r in train),
@@ -427,7 +423,7 @@ def throughput(row: dict) -> dict:
     if ours:
         out["ours_sps"] = ours["samples"] / ours["pipeline_wall_s"]
         out["ours_tps"] = ours["tokens"] / ours["pipeline_wall_s"]
-        out["ours_sps_train_wall"] = ours["samples"] / ours["train_s"]
+        out["ours_sps_train_wall"] = ours["samples"] / ours.get("orders_s", ours["train_s"])
     if trl:
         out["trl_sps"] = trl["samples"] / trl["train_s"]
         out["trl_tps"] = trl["tokens"] / trl["train_s"]
@@ -484,7 +480,7 @@ def print_tables(rows: list[dict], limits, command: str) -> None:
         sec = lambda d, k, ours=ours: f"{d.get(k, 0):.2f}" if ours else "-"  # noqa: E731
         detail_rows.append([
             row["size"], str(row["max_new_tokens"]),
-            f"{ours['pipeline_wall_s']:.1f} / {ours['train_s']:.1f}" if ours else "-",
+            f"{ours['pipeline_wall_s']:.1f} / {ours.get('orders_s', ours['train_s']):.1f}" if ours else "-",
             f"{trl['train_s']:.1f}" if trl else "-",
             f"{ours['child_s']:.0f}" if ours else "-", f"{trl['child_s']:.0f}" if trl else "-",
             " / ".join(f"{r['load_average'][0]:.1f}-{r['load_average'][1]:.1f}" for r in (ours, trl) if r and "load_average" in r),
@@ -539,6 +535,11 @@ def main() -> None:
     parser.add_argument(
         "--ours-flags", default="", help="more rl_example.py flags for ours, e.g. '--sequence-layout packed'"
     )
+    parser.add_argument(
+        "--compare-flags", default="",
+        help="also run ours with these flags right after each ours run (e.g. '--sequence-layout shared_prompt': the "
+        "layout before auto chose by shape) and print the two side by side",
+    )  # fmt: skip
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--child-model", help=argparse.SUPPRESS)
     parser.add_argument("--child-settings", help=argparse.SUPPRESS)
@@ -585,8 +586,13 @@ def main() -> None:
             steps = args.steps or STEPS.get((size, length), 2)
             settings = vs_trl.Settings(steps=steps, max_new_tokens=length, seed=args.seed)
             row = {"size": size, "params": shape["total"], "shape": shape, "max_new_tokens": length, "steps": steps}
-            for system in systems:
-                row[system] = run_child(system, paths[size], settings, eval_file, args.trl_micro_batch, args.ours_flags)
+            runs = [(system, system, args.ours_flags) for system in systems]
+            if args.compare_flags and "ours" in systems:
+                runs.insert(
+                    systems.index("ours") + 1, ("ours_compared", "ours", f"{args.ours_flags} {args.compare_flags}")
+                )
+            for system, child, flags in runs:
+                row[system] = run_child(child, paths[size], settings, eval_file, args.trl_micro_batch, flags)
                 r = row[system]
                 wall = r.get("pipeline_wall_s", r["train_s"])
                 print(
@@ -606,7 +612,29 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": command, "limits": json.loads(limits.to_json()), "rows": rows}, indent=1))
     print_tables(rows, limits, command)
+    if args.compare_flags:
+        print_comparison(rows, args.compare_flags)
     print(f"\nraw results: {out}; {time.perf_counter() - STARTED:.0f} s in all")
+
+
+def print_comparison(rows: list[dict], compare_flags: str) -> None:
+    """Ours as run against ours with ``--compare-flags``, measured one right after the other: samples/s over the
+    pipeline wall, the trainer's forward/backward seconds and the positions it computed."""
+    print(
+        f"\n| size | -mnt | ours samples/s | with {compare_flags} | ratio | fwd/bwd s (ours, with) | computed tokens |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        if "ours_compared" not in row:
+            continue
+        ours, other = row["ours"], row["ours_compared"]
+        rate = [r["samples"] / r.get("pipeline_wall_s", r["train_s"]) for r in (ours, other)]
+        fb = [sum(s.get("forward_backward", 0.0) for a, s in r["phase_seconds"].items() if a.startswith("trainer"))
+              for r in (ours, other)]  # fmt: skip
+        print(
+            f"| {row['size']} | {row['max_new_tokens']} | {rate[0]:.1f} | {rate[1]:.1f} | x{rate[0] / rate[1]:.2f} | "
+            f"{fb[0]:.1f}, {fb[1]:.1f} | {ours['computed_tokens']:.0f}, {other['computed_tokens']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

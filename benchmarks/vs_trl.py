@@ -18,8 +18,10 @@ the other: ours with 1 producer + 1 consumer (``ours``, n_behind 1), ours in the
 found (``ours*``, see ``BEST``; on ``--best-models`` only), then TRL. Ray runs its actors at niceness 15,
 so the TRL child lowers itself to the same niceness: on a machine shared with other jobs both
 systems get the same share. TRL's "eval before" is ours (same initial weights, same greedy code).
-Reported per run: end-to-end wall (process start to trained and evaluated), training wall (ours:
-sum of the rounds; TRL: ``trainer.train()``), samples/s and generated tokens/s over the training wall,
+Reported per run: end-to-end wall (process start to trained and evaluated), training wall (ours: from its
+first rollout's generation to its last step's end and sync, from the ``--enable-profiling`` spans — until
+2026-11-28 the sum of its training orders and syncs, which leaves out the first rollout and every wait for
+rollouts and flattered ours 1.1-1.3x; TRL: ``trainer.train()``), samples/s and generated tokens/s over the training wall,
 greedy eval accuracy before -> after, mean train reward over the last quarter of the steps. The last
 line gives ours/TRL ratios (samples/s, end-to-end wall: TRL's over ours) and both final accuracies.
 
@@ -177,9 +179,10 @@ def run_ours(model: str, settings: Settings, n_behind: int, extra_flags: list[st
 
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as save_dir:
-        config = rl_config(model, settings, n_behind, save_dir, extra_flags)
+        config = rl_config(model, settings, n_behind, save_dir, ["--enable-profiling", *extra_flags])
         summary = run_training(config, use_wandb=False)
         records = read_metrics(Path(summary.run_dir) / "metrics.jsonl")
+        wall = pipeline_wall(Path(summary.run_dir))
     train = [r for r in records if r["kind"] == "train"]
     last = train[-max(1, len(train) // 4) :]
     rollouts = [r for r in records if r["kind"] == "rollout"]
@@ -188,9 +191,11 @@ def run_ours(model: str, settings: Settings, n_behind: int, extra_flags: list[st
         "tokens": sum(r["rollout/groups"] * r["rollout/response_length"] for r in rollouts) * settings.num_generations,
         "steps": summary.steps,
         "end_to_end_s": time.perf_counter() - STARTED,
-        # what the round loop's time/round_s covered, each round's training and its weight sync: every training
-        # order's time (on its last step's "train" record) plus every sync's ("sync" records)
-        "train_s": sum(r["time/train_order_s"] for r in train if "time/train_order_s" in r)
+        # the first rollout's generation to the last step's end and its sync: what TRL's train() covers
+        "train_s": wall,
+        # what this script reported before 2026-11-28: the training orders plus the syncs, the trainer's busy
+        # time only (it leaves out the first rollout and every wait for rollouts: 1.1-1.3x flattering)
+        "orders_s": sum(r["time/train_order_s"] for r in train if "time/train_order_s" in r)
         + sum(r["time/sync_s"] for r in records if r["kind"] == "sync" and "time/sync_s" in r),
         "eval_before": summary.eval_accuracy_before["math"],
         "eval_after": summary.eval_accuracy_after["math"],
@@ -198,6 +203,19 @@ def run_ours(model: str, settings: Settings, n_behind: int, extra_flags: list[st
         "computed_per_real": sum(r["train/computed_tokens"] for r in train)
         / sum(r["train/real_tokens"] for r in train),
     }
+
+
+def pipeline_wall(run_dir: Path) -> float:
+    """Seconds from the first rollout's generation to the end of the last training span (its step, its sync), from
+    the run's ``--enable-profiling`` spans: the part of our run that TRL's ``trainer.train()`` covers."""
+    from colossal_rl.profiling import read_spans
+
+    spans = read_spans(run_dir)
+    generating = [s.start for actor, spans_ in spans.items() if actor.startswith("producer") for s in spans_
+                  if s.phase == "generate"]  # fmt: skip
+    training = [s.end for actor, spans_ in spans.items() if actor.startswith("trainer") for s in spans_
+                if s.phase != "checkpoint"]  # fmt: skip
+    return max(training) - min(generating)
 
 
 class TrainingTokenCounter:
