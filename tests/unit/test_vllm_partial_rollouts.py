@@ -99,7 +99,7 @@ class StreamingFakeEngine:
         for request_id, live in list(self.live.items()):
             token = next_token(self.version, live.prompt + live.tokens)
             live.tokens.append(token)
-            finished = token == EOS or len(live.tokens) == live.params.max_tokens
+            finished = token in getattr(live.params, "stop_token_ids", ()) or len(live.tokens) == live.params.max_tokens
             reason = None if not finished else ("stop" if token == EOS else "length")
             if live.params.output_kind == "delta":
                 new = live.tokens[live.sent :]
@@ -114,9 +114,9 @@ class StreamingFakeEngine:
         return delivered
 
 
-def partial_batcher(engine, sampling=SAMPLED, num_samples=2, max_rows=8) -> VllmPartialBatcher:
+def partial_batcher(engine, sampling=SAMPLED, num_samples=2, max_rows=8, stop=(EOS,)) -> VllmPartialBatcher:
     return VllmPartialBatcher(
-        engine, sampling, num_samples, max_rows=max_rows, pad_token_id=PAD, stop_token_ids=[EOS],
+        engine, sampling, num_samples, max_rows=max_rows, pad_token_id=PAD, stop_token_ids=list(stop),
         sampling_params=lambda **kwargs: SimpleNamespace(**kwargs, output_kind="final"),
         streamed_sampling_params=lambda **kwargs: SimpleNamespace(**kwargs, output_kind="delta"),
     )  # fmt: skip
@@ -245,14 +245,17 @@ def test_the_engine_service_loads_with_rows_running_and_no_request_of_ours_in_th
         return original_step()
 
     engine.step = step
-    service = EngineService(partial_batcher(engine), partial_rollouts=True)
+    # no EOS, 400 tokens: rows still run ~2 s after the test asks for the load, however busy the machine
+    long = SamplingSettings(temperature=0.7, max_new_tokens=400)
+    service = EngineService(partial_batcher(engine, long, stop=()), partial_rollouts=True)
     seen = {}
     try:
         results = {}
         call = threading.Thread(target=lambda: results.update(first=service.generate([[6], [2, 2]], min_version=0,
                                                                                      timeout_s=30)))  # fmt: skip
         call.start()
-        while sum(len(live.tokens) for live in engine.live.values()) < 4:
+        batcher = service.batcher
+        while sum(len(s.tokens) for g in list(batcher._groups.values()) for s in g.samples) < 8:  # received ones
             gate.wait(0.001)
 
         def fake_load():
