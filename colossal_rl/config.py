@@ -411,9 +411,11 @@ class TrainConfig:
     """How a training forward lays out its samples (``training/sequence_layout.py``): ``padded`` (one sample
     per row, padding cut to the micro-batch's longest prompt and response), ``packed`` (padding-free: real
     tokens only, several samples per row) or ``shared_prompt`` (one row per prompt group: the prompt once,
-    then each response). Same log-probs and gradients. ``auto``: shared_prompt, except packed with
-    flash_attention_2 (no 4D masks) and padded under pipeline parallelism (fixed-shape micro-batches); see
-    :meth:`RLConfig.sequence_layout`. benchmarks/README.md has the measurements behind it."""
+    then each response). Same log-probs and gradients. ``auto``: shared_prompt, each micro-batch laid out packed
+    instead where that computes less (long responses: a shared row attends over the whole group;
+    ``training/layout_choice.py``), except packed with flash_attention_2 (no 4D masks) and padded under pipeline
+    parallelism (fixed-shape micro-batches); see :meth:`RLConfig.sequence_layout`. benchmarks/README.md has the
+    measurements behind it."""
     max_tokens_per_microbatch: int | None = None
     """Token budget of one forward/backward (verl's dynamic batch size): micro-batches take samples (whole
     groups under ``shared_prompt``) while the tokens the layout computes stay within it; replaces

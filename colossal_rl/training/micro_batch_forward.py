@@ -19,6 +19,7 @@ import torch
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import PACKED_VISION_UNDER_FLASH_ATTENTION, RLConfig
 from colossal_rl.training import micro_batches
+from colossal_rl.training.layout_choice import cheaper_block_layout, pair_weight
 from colossal_rl.training.objective import objective_for
 from colossal_rl.training.policy_forward import output_head_returns_hidden, response_terms, unwrap_model
 from colossal_rl.training.sequence_layout import ForwardLayout, block_layout, padded_layout
@@ -55,6 +56,10 @@ class MicroBatchForward:
         positions and their images."""
         self.config = config
         self.layout = config.sequence_layout_for(vision_language=rope_tokens is not None)
+        self.by_shape = config.train.sequence_layout == "auto" and self.layout == "shared_prompt"
+        """``--sequence-layout auto`` resolved to shared_prompt: each micro-batch is laid out packed instead when
+        that computes less (long responses; ``layout_choice.py``)."""
+        self._pair_weight: float | None = None
         if (
             self.layout == "packed"
             and rope_tokens is not None
@@ -99,17 +104,26 @@ class MicroBatchForward:
             parts = micro_batches.by_budget_in_exactly(units, count, padded=padded, shared_prompt=shared)
         return micro_batches.sample_ranges(parts)
 
+    def layout_name(self, part: RolloutBatch, group_size: int) -> str:
+        """The layout one micro-batch is laid out in: the configured one, or (``by_shape``) the cheaper of
+        shared_prompt and packed for its lengths."""
+        if not self.by_shape or self._pair_weight is None:
+            return self.layout
+        return cheaper_block_layout(part.prompt_mask.sum(1).tolist(), part.response_mask.sum(1).tolist(), group_size,
+                                    self._pair_weight)  # fmt: skip
+
     def layout_of(self, part: RolloutBatch, group_size: int) -> ForwardLayout:
         """The layout of one micro-batch's samples, built on the samples' device."""
         tensors = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
         positions = self._prompt_positions(part)
-        if self.layout == "padded":
+        layout = self.layout_name(part, group_size)
+        if layout == "padded":
             return padded_layout(*tensors, prompt_positions=positions)
         flash = self.config.train.attn_implementation == "flash_attention_2"
         return block_layout(
             *tensors,
             group_size=group_size,
-            shared_prompt=self.layout == "shared_prompt",
+            shared_prompt=layout == "shared_prompt",
             pad_token_id=self.pad_token_id,
             mask_dtype=None if flash else self.dtype,
             prompt_positions=positions,
@@ -160,6 +174,8 @@ class MicroBatchForward:
         With routing replay and routes in ``part``, the forward uses the producer's expert choices; ``totals``
         then counts the replayed tokens whose choice differs from the trainer's own router.
         """
+        if self.by_shape and self._pair_weight is None:
+            self._pair_weight = pair_weight(unwrap_model(model).config)
         forward = self.layout_of(part, group_size)
         router_balance = None
         with self._routing(model, part, forward) as session:

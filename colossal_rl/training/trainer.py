@@ -282,7 +282,8 @@ class Trainer:
             rope_tokens=rope_tokens_of(model_config),
         )
         if self.rank == 0:  # what ``auto`` resolved to depends on the attention and the model: say it once
-            logger.info("training forward: %s sequence layout", self.micro_forward.layout)
+            by_shape = " (packed for micro-batches where it computes less)" if self.micro_forward.by_shape else ""
+            logger.info("training forward: %s sequence layout%s", self.micro_forward.layout, by_shape)
         self.step_runner = step_runner_for(
             self.plugin, self.config.parallel.pp_size, self.micro_forward, self.booster, self.optimizer, self.dp_size
         )
