@@ -124,11 +124,10 @@ class Producer:
 
         generation = config.generation
         max_rows = generation.microbatch_size * generation.num_generations
-        return EngineService(
-            self.backend.continuous_batcher(self._train_sampling(), generation.num_generations, max_rows,
-                                            partial_rollouts=generation.partial_rollouts),  # fmt: skip
-            partial_rollouts=generation.partial_rollouts,
+        batcher = self.backend.continuous_batcher(
+            self._train_sampling(), generation.num_generations, max_rows, partial_rollouts=generation.partial_rollouts
         )
+        return EngineService(batcher, partial_rollouts=generation.partial_rollouts)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from colossal_rl.rollout.backend import SamplingSettings
 from colossal_rl.rollout.batcher import DecodedGroup
 from colossal_rl.rollout.vllm_continuous import VllmContinuousBatcher, VllmGroup
 from colossal_rl.rollout.vllm_requests import SEED_RANGE, right_pad, sampled_logprobs, vllm_requests
@@ -75,20 +74,9 @@ class VllmPartialBatcher(VllmContinuousBatcher):
     each step's new tokens (``RequestOutputKind.DELTA``); ``sampling_params`` (final outputs only) serves
     :meth:`run_apart`."""
 
-    def __init__(
-        self,
-        engine: Any,
-        sampling: SamplingSettings,
-        num_samples: int,
-        *,
-        max_rows: int,
-        pad_token_id: int,
-        stop_token_ids: Sequence[int],
-        sampling_params: Callable[..., Any],
-        streamed_sampling_params: Callable[..., Any],
-    ):
-        super().__init__(engine, sampling, num_samples, max_rows=max_rows, pad_token_id=pad_token_id,
-                         stop_token_ids=stop_token_ids, sampling_params=sampling_params)  # fmt: skip
+    def __init__(self, *args: Any, streamed_sampling_params: Callable[..., Any], **kwargs: Any):
+        """``VllmContinuousBatcher``'s arguments, and the streamed ``SamplingParams`` factory."""
+        super().__init__(*args, **kwargs)
         self._streamed_sampling_params = streamed_sampling_params
         self._groups: dict[int, _Group] = {}  # admitted, not finished (``_waiting`` holds the others)
         self._sample_of: dict[str, tuple[int, int]] = {}  # engine request id -> (our request id, sample)

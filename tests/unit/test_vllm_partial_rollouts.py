@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_vllm_continuous import CompletionOutput, Logprob, RequestOutput  # fakes shaped like vLLM 0.32's outputs
 
 from colossal_rl.rollout.backend import SamplingSettings
 from colossal_rl.rollout.engine_service import EngineService
@@ -35,26 +36,6 @@ def next_token(version: int, sequence: list[int]) -> int:
 
 def logprob_of(version: int, token: int) -> float:
     return -0.01 * token - version
-
-
-@dataclass
-class Logprob:
-    logprob: float
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]]
-    finish_reason: str | None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    outputs: list[CompletionOutput]
-    finished: bool
 
 
 @dataclass
@@ -105,10 +86,14 @@ class StreamingFakeEngine:
                 new = live.tokens[live.sent :]
                 live.sent = len(live.tokens)
                 steps = [{t: Logprob(logprob_of(self.version, t))} for t in new]
-                self.pending.append(RequestOutput(request_id, [CompletionOutput(0, new, steps, reason)], finished))
+                self.pending.append(
+                    RequestOutput(request_id, live.prompt, [CompletionOutput(0, new, steps, reason)], finished)
+                )
             elif finished:
                 steps = [{t: Logprob(logprob_of(self.version, t))} for t in live.tokens]
-                self.pending.append(RequestOutput(request_id, [CompletionOutput(0, live.tokens, steps, reason)], True))
+                self.pending.append(
+                    RequestOutput(request_id, live.prompt, [CompletionOutput(0, live.tokens, steps, reason)])
+                )
             if finished:
                 del self.live[request_id]
         return delivered
