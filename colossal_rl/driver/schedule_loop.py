@@ -192,9 +192,9 @@ class ScheduleLoop:
         self._unanswered.update(call.ref for call in calls)
 
     def _wait_one(self) -> Waiting | None:
-        """The next waited-on item whose calls all finished (fails fast, naming the actor, when one failed); None
-        after restarted producers were dealt with, so the loop decides again: rows handed out again are ordered
-        at once (with every chunk in flight lost, nothing else would wake it)."""
+        """The next waited-on item whose calls all finished (fails fast, naming the actor, when one failed). None
+        when restarted producers were dealt with and nothing is left in flight (one producer under continuous
+        batching: every chunk in flight was its), so the loop decides again and orders the rows handed out again."""
         while True:
             refs = list(self._unanswered)
             if not refs:
@@ -212,7 +212,9 @@ class ScheduleLoop:
                     gather(item.calls, self.driver.timeout)  # raises RunFailed naming every failed call
                 except RunFailed as failure:
                     self._recover(failure, item)  # re-raises unless producers died and were restarted
-                    return None
+                    if not self._unanswered:  # every call in flight was lost and none made again: decide anew
+                        return None
+                    continue
             if not any(call.ref in self._unanswered for call in item.calls):
                 self.waiting.remove(item)
                 return item
