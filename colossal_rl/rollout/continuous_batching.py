@@ -206,10 +206,10 @@ class ContinuousBatcher:
             self._advance()
         return finished
 
-    @torch.no_grad()
     def before_new_weights(self) -> None:
         """Nothing to stop: rows decode only inside :meth:`step`, so none runs while the caller loads."""
 
+    @torch.no_grad()
     def take_new_weights(self, version: int) -> None:
         """The model's weights were just replaced by ``version``: re-prefill the running rows (their caches and
         next-token logits came from the old weights) so every token sampled from now on is the new version's."""

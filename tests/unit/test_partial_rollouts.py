@@ -99,6 +99,7 @@ def test_greedy_tokens_after_the_swap_are_b_continuing_a_s_first_tokens(backend,
     for _ in range(before):
         assert engine.step() == []
     swap_to_b(engine, models)
+    assert not engine._batch.logits.requires_grad  # the re-prefill builds no autograd graph
     (group,) = engine.run()
     tokens = group.response_ids[0].tolist()
     a_alone = greedy_alone(models[VERSION_A], backend, prompt, GREEDY.max_new_tokens)
