@@ -64,8 +64,8 @@ def one_batch(backend, mode: str, prompts: list[list[int]], weights: dict, versi
     done = []
     for _ in range(steps_before):
         done += batcher.step()
-    running = sum(1 for g in batcher._groups.values() for s in g.samples if s.finish_reason is None)
-    tokens_so_far = sum(len(s.tokens) for g in batcher._groups.values() for s in g.samples)
+    running = sum(1 for g in batcher._running.values() for s in g.samples if s.finish_reason is None)
+    tokens_so_far = sum(len(s.tokens) for g in batcher._running.values() for s in g.samples)
     load_started = time.perf_counter()
     if mode == "recompute":
         batcher.before_new_weights()

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from colossal_rl.rollout.batcher import DecodedGroup
 from colossal_rl.rollout.vllm_continuous import VllmContinuousBatcher, VllmGroup
 from colossal_rl.rollout.vllm_requests import SEED_RANGE, right_pad, sampled_logprobs, vllm_requests
 
@@ -49,7 +48,6 @@ class _Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    engine_id: str | None = None  # its request in the engine; None while it is not in there
     requests: int = 0  # engine requests made for it so far (one more after each load it spans)
 
     def continuation(self, max_new_tokens: int, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -78,16 +76,8 @@ class VllmPartialBatcher(VllmContinuousBatcher):
         """``VllmContinuousBatcher``'s arguments, and the streamed ``SamplingParams`` factory."""
         super().__init__(*args, **kwargs)
         self._streamed_sampling_params = streamed_sampling_params
-        self._groups: dict[int, _Group] = {}  # admitted, not finished (``_waiting`` holds the others)
-        self._sample_of: dict[str, tuple[int, int]] = {}  # engine request id -> (our request id, sample)
-
-    @property
-    def running_rows(self) -> int:
-        return self.num_samples * (len(self._groups) + len(self._done))
-
-    @property
-    def idle(self) -> bool:
-        return not self._groups and not self._done
+        # ``_waiting`` and ``_running`` (the base's; it counts rows and idleness from them) hold ``_Group``s here
+        self._sample_of: dict[str, tuple[int, int]] = {}  # our requests in the engine -> (our request id, sample)
 
     def submit(self, prompt: list[int], tag: object = None) -> int:
         """Queue a prompt; one seed per sample is drawn now from torch's RNG (each sample is its own request)."""
@@ -98,34 +88,20 @@ class VllmPartialBatcher(VllmContinuousBatcher):
         self._waiting.append(group)
         return group.request_id
 
-    def step(self, admit: bool = True) -> list[DecodedGroup]:
-        if admit:
-            self._admit()
-        if self._groups:
-            self._take(self._engine_step())
-        finished, self._done = self._done, []
-        return finished
-
     def before_new_weights(self) -> None:
         """The weights are about to be replaced: every sample of ours leaves the engine, keeping its tokens so far
         (their blocks are freed, so the prefix cache can be emptied after the load)."""
-        running = [sample.engine_id for group in self._groups.values() for sample in group.samples
-                   if sample.engine_id is not None]  # fmt: skip
-        if running:
-            self.engine.abort_request(running)
-        for engine_id in running:
-            del self._sample_of[engine_id]
-        for group in self._groups.values():
-            for sample in group.samples:
-                sample.engine_id = None
+        if self._sample_of:
+            self.engine.abort_request(list(self._sample_of))
+        self._sample_of.clear()
 
     def take_new_weights(self, version: int) -> None:
         """The engine now holds ``version``: every unfinished sample goes on from its tokens so far, sampled by it."""
-        if any(s.engine_id is not None for g in self._groups.values() for s in g.samples):
+        if self._sample_of:
             raise RuntimeError("vLLM's partial-rollout batcher took new weights with requests still in the engine: "
                                "call before_new_weights first")  # fmt: skip
         self.policy_version = version
-        for group in list(self._groups.values()):
+        for group in list(self._running.values()):
             for number, sample in enumerate(group.samples):
                 if sample.finish_reason is None and len(sample.tokens) >= self.sampling.max_new_tokens:
                     sample.finish_reason = "length"  # its last token arrived, the finish did not: nothing is left
@@ -139,10 +115,10 @@ class VllmPartialBatcher(VllmContinuousBatcher):
         return int(torch.randint(0, SEED_RANGE, (1,)))
 
     def _admit(self) -> None:
-        while self._waiting and len(self._groups) * self.num_samples < self.max_rows:
+        while self._waiting and len(self._running) * self.num_samples < self.max_rows:
             group = self._waiting.popleft()
             group.policy_version = self.policy_version
-            self._groups[group.request_id] = group
+            self._running[group.request_id] = group
             for number, sample in enumerate(group.samples):
                 self._add(group, number, {"prompt_token_ids": list(sample.prompt)}, sample.params)
 
@@ -151,7 +127,6 @@ class VllmPartialBatcher(VllmContinuousBatcher):
         engine_id = f"cb-{group.request_id}-{number}-{sample.requests}"
         sample.requests += 1
         self.engine.add_request(engine_id, prompt, self._streamed_sampling_params(**params))
-        sample.engine_id = engine_id
         self._sample_of[engine_id] = (group.request_id, number)
 
     def _take(self, outputs: Sequence[Any]) -> None:
@@ -161,7 +136,7 @@ class VllmPartialBatcher(VllmContinuousBatcher):
                 if output.finished:
                     self._others[output.request_id] = output
                 continue
-            group = self._groups[owner[0]]
+            group = self._running[owner[0]]
             sample = group.samples[owner[1]]
             (completion,) = output.outputs
             tokens = list(completion.token_ids)
@@ -170,14 +145,13 @@ class VllmPartialBatcher(VllmContinuousBatcher):
             sample.versions += [self.policy_version] * len(tokens)
             if output.finished:
                 sample.finish_reason = completion.finish_reason or "stop"
-                sample.engine_id = None
                 del self._sample_of[output.request_id]
                 self._finish_if_done(group)
 
     def _finish_if_done(self, group: _Group) -> None:
         if any(sample.finish_reason is None for sample in group.samples):
             return
-        del self._groups[group.request_id]
+        del self._running[group.request_id]
         response_ids, _ = right_pad([s.tokens for s in group.samples], self.pad_token_id, torch.long)
         logprobs, _ = right_pad([s.logprobs for s in group.samples], 0.0, torch.float32)
         versions, _ = right_pad([s.versions for s in group.samples], -1, torch.long)

@@ -159,7 +159,7 @@ def test_each_sample_goes_on_as_its_own_request_with_what_is_left_and_a_new_seed
     for _ in range(3):
         cb.step()
     received = {}
-    for group in cb._groups.values():
+    for group in cb._running.values():
         received = {number: list(sample.tokens) for number, sample in enumerate(group.samples)}
     first = {request_id: params for request_id, _, params in engine.added}
     load(cb, engine, 1)
@@ -189,7 +189,7 @@ def test_a_sample_whose_last_token_arrived_before_the_load_is_not_added_again():
     cb.submit([6])
     cb.step()
     cb.step()  # the first token arrived; the core sampled the second (finishing the request): in transit
-    sample = next(iter(cb._groups.values())).samples[0]
+    sample = next(iter(cb._running.values())).samples[0]
     sample.tokens += [next_token(0, [6] + sample.tokens)]  # as if that last token arrived without its finish
     sample.logprobs += [0.0]
     sample.versions += [0]
@@ -240,7 +240,7 @@ def test_the_engine_service_loads_with_rows_running_and_no_request_of_ours_in_th
                                                                                      timeout_s=30)))  # fmt: skip
         call.start()
         batcher = service.batcher
-        while sum(len(s.tokens) for g in list(batcher._groups.values()) for s in g.samples) < 8:  # received ones
+        while sum(len(s.tokens) for g in list(batcher._running.values()) for s in g.samples) < 8:  # received ones
             gate.wait(0.001)
 
         def fake_load():

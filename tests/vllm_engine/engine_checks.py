@@ -172,7 +172,7 @@ def partial_rollouts(backend, case: dict, prompts: list[list[int]], weights: lis
         for _ in range(3):
             groups += batcher.step()
         batcher.before_new_weights()
-        at_load = {order[g.request_id]: [len(s.tokens) for s in g.samples] for g in batcher._groups.values()}
+        at_load = {order[g.request_id]: [len(s.tokens) for s in g.samples] for g in batcher._running.values()}
         in_engine = backend.llm.llm_engine.get_num_unfinished_requests()
         if version == 1:
             backend.load_weights(weights[version - 1])
