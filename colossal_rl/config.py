@@ -413,7 +413,7 @@ class TrainConfig:
     tokens only, several samples per row) or ``shared_prompt`` (one row per prompt group: the prompt once,
     then each response). Same log-probs and gradients. ``auto``: shared_prompt, each micro-batch laid out packed
     instead where that computes less (long responses: a shared row attends over the whole group;
-    ``training/layout_choice.py``), except packed with flash_attention_2 (no 4D masks) and padded under pipeline
+    ``training/layout_choice.py``; not under ``max_tokens_per_microbatch``, whose plan counts shared rows), except packed with flash_attention_2 (no 4D masks) and padded under pipeline
     parallelism (fixed-shape micro-batches); see :meth:`RLConfig.sequence_layout`. benchmarks/README.md has the
     measurements behind it."""
     max_tokens_per_microbatch: int | None = None

@@ -56,9 +56,14 @@ class MicroBatchForward:
         positions and their images."""
         self.config = config
         self.layout = config.sequence_layout_for(vision_language=rope_tokens is not None)
-        self.by_shape = config.train.sequence_layout == "auto" and self.layout == "shared_prompt"
+        self.by_shape = (
+            config.train.sequence_layout == "auto"
+            and self.layout == "shared_prompt"
+            and config.train.max_tokens_per_microbatch is None
+        )
         """``--sequence-layout auto`` resolved to shared_prompt: each micro-batch is laid out packed instead when
-        that computes less (long responses; ``layout_choice.py``)."""
+        that computes less (long responses; ``layout_choice.py``). Not under a token budget: its micro-batches are
+        planned by what shared_prompt computes, and packed would compute more than the budget allows."""
         self._pair_weight: float | None = None
         if (
             self.layout == "packed"

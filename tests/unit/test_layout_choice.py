@@ -74,3 +74,11 @@ def test_auto_lays_a_long_response_micro_batch_out_packed_with_shared_prompts_lo
     assert results["auto"][1].layout.computed_tokens != results["shared_prompt"][1].layout.computed_tokens
     torch.testing.assert_close(results["auto"][1].logprobs, results["shared_prompt"][1].logprobs, atol=1e-5, rtol=0)
     assert not results["shared_prompt"][0].by_shape  # a layout asked for by name is kept
+
+
+def test_auto_keeps_shared_prompt_under_a_token_budget_it_was_planned_by():
+    """``--max-tokens-per-microbatch`` plans micro-batches by what shared_prompt computes: packed could exceed it."""
+    config = RLConfig(train=TrainConfig(sequence_layout="auto", max_tokens_per_microbatch=4096))
+    forward = MicroBatchForward(config, dtype=torch.float32, pad_token_id=PAD, tp_group=None, vocab_size=VOCAB,
+                                max_over_ranks=None)  # fmt: skip
+    assert forward.layout == "shared_prompt" and not forward.by_shape
