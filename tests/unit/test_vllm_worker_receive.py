@@ -170,34 +170,57 @@ GIB = 2**30
 DEFAULT_UTILIZATION = VllmEngineConfig().gpu_memory_utilization  # 0.7: the hand-computed numbers below assume it
 QWEN2_5_BF16_BYTES = {"1.5B": 2 * 1_543_714_304, "7B": 2 * 7_615_616_512, "32B": 2 * 32_763_876_352,
                       "72B": 2 * 72_706_203_648}  # fmt: skip
+QWEN2_5_LARGEST_BF16_BYTES = {size: 2 * 152_064 * hidden for size, hidden in
+                              {"1.5B": 1536, "7B": 3584, "32B": 5120, "72B": 8192}.items()}  # fmt: skip
+"""The embedding (vocabulary 152,064 x hidden size), each model's largest tensor: vLLM's reload copies it once more."""
 
 
 def refusal(model: str, card_gib: int, tensor_parallel_size: int = 1, utilization: float = DEFAULT_UTILIZATION):
     """What a worker is told once vLLM took ``utilization`` of a ``card_gib`` GiB card (the rest is free)."""
     total = card_gib * GIB
-    return receive_budget_refusal(receive_bytes=QWEN2_5_BF16_BYTES[model], free_bytes=round((1 - utilization) * total),
-                                  total_bytes=total, gpu_memory_utilization=utilization,
+    return receive_budget_refusal(receive_bytes=QWEN2_5_BF16_BYTES[model],
+                                  largest_tensor_bytes=QWEN2_5_LARGEST_BF16_BYTES[model],
+                                  free_bytes=round((1 - utilization) * total), total_bytes=total,
+                                  gpu_memory_utilization=utilization,
                                   tensor_parallel_size=tensor_parallel_size)  # fmt: skip
 
 
 def test_a_7b_model_in_bf16_does_not_fit_beside_vllm_on_a_40gb_card():
-    """15.23 GB + 1.07 GB headroom = 16.30 GB needed; 0.3 x 42.95 GB = 12.88 GB free: 3.42 GB short, 0.0796 of the
-    card, so the highest utilization that fits is 0.70 - 0.0796 = 0.620 -> 0.62 (vLLM's budget there, 26.6 GB,
-    holds its 15.2 GB of weights)."""
+    """15.23 GB + 1.09 GB reload copy of the embedding + 1.07 GB headroom = 17.39 GB needed; 0.3 x 42.95 GB = 12.88 GB
+    free: 4.51 GB short, 0.1050 of the card, so the highest utilization that fits is 0.70 - 0.1050 = 0.595 -> 0.59
+    (vLLM's budget there, 25.3 GB, holds its 15.2 GB of weights)."""
     assert DEFAULT_UTILIZATION == 0.7
     assert refusal("7B", 40) == (
-        "--vllm-weight-receive workers: an unsharded copy of the weights, 15.2 GB (+1.1 GB headroom), does not fit in "
-        "the 12.9 GB this GPU has free beyond --gpu-memory-utilization 0.70; lower it to 0.62 or less, or use "
+        "--vllm-weight-receive workers: an unsharded copy of the weights, 15.2 GB (+2.2 GB reload, headroom), does not "
+        "fit in the 12.9 GB this GPU has free beyond --gpu-memory-utilization 0.70; lower it to 0.59 or less, or use "
         "--weight-sync-mode files (read into host memory)"
     )
 
 
+def test_the_budget_counts_vllms_reload_copy_of_the_largest_tensor_at_the_boundary():
+    """vLLM 0.32 reloads layer by layer, materialising each layer afresh on the GPU: the largest tensor is there
+    twice for a moment. Free memory of exactly buffers + largest tensor + headroom fits; one byte less does not, and
+    neither does the 1 GiB headroom alone without the largest tensor (the budget before this was counted)."""
+    receive, largest, headroom = QWEN2_5_BF16_BYTES["7B"], QWEN2_5_LARGEST_BF16_BYTES["7B"], 2**30
+    total = 80 * GIB
+
+    def refused(free_bytes: int) -> str | None:
+        return receive_budget_refusal(receive_bytes=receive, largest_tensor_bytes=largest, free_bytes=free_bytes,
+                                      total_bytes=total, gpu_memory_utilization=0.7, tensor_parallel_size=1,
+                                      headroom_bytes=headroom)  # fmt: skip
+
+    assert refused(receive + largest + headroom) is None
+    assert refused(receive + largest + headroom - 1) is not None
+    assert "(+2.2 GB reload, headroom)" in refused(receive + headroom)
+
+
 def test_a_32b_model_at_tensor_parallel_4_puts_a_whole_copy_on_each_80gb_card():
-    """Each of the 4 workers receives all 65.53 GB: + 1.07 GB = 66.60 GB needed, 0.3 x 85.90 GB = 25.77 GB free;
-    40.83 GB short = 0.4753 of the card: 0.70 - 0.4753 = 0.2247 -> 0.22 (18.9 GB of budget > its 16.4 GB shard)."""
+    """Each of the 4 workers receives all 65.53 GB: + 1.56 GB reload copy + 1.07 GB = 68.16 GB needed, 0.3 x
+    85.90 GB = 25.77 GB free; 42.39 GB short = 0.4935 of the card: 0.70 - 0.4935 = 0.2065 -> 0.20 (17.2 GB of budget
+    > its 16.4 GB shard)."""
     message = refusal("32B", 80, tensor_parallel_size=4)
-    assert "weights, 65.5 GB (+1.1 GB headroom)" in message and "the 25.8 GB this GPU has free" in message
-    assert "lower it to 0.22 or less, or use --weight-sync-mode files (" in message
+    assert "weights, 65.5 GB (+2.6 GB reload, headroom)" in message and "the 25.8 GB this GPU has free" in message
+    assert "lower it to 0.20 or less, or use --weight-sync-mode files (" in message
 
 
 def test_lowering_the_utilization_is_not_offered_where_vllm_could_not_hold_its_own_shard():
@@ -208,8 +231,8 @@ def test_lowering_the_utilization_is_not_offered_where_vllm_could_not_hold_its_o
 
 
 def test_weights_that_fit_are_not_refused_and_every_refusal_is_one_short_line():
-    assert refusal("1.5B", 40) is None  # 3.09 + 1.07 GB needed, 12.88 GB free
-    assert refusal("7B", 80) is None  # 16.30 GB needed, 25.77 GB free
+    assert refusal("1.5B", 40) is None  # 3.09 + 0.47 + 1.07 GB needed, 12.88 GB free
+    assert refusal("7B", 80) is None  # 17.39 GB needed, 25.77 GB free
     for message in (refusal("7B", 40), refusal("32B", 80, 4), refusal("72B", 80, 8), refusal("7B", 40, 1, 0.95)):
         assert "\n" not in message and len(message) < 270, message  # vLLM's RPC error keeps about 300 characters
 
@@ -260,6 +283,10 @@ def test_a_gpu_workers_join_refuses_buffers_that_do_not_fit_before_allocating_th
             worker.colossal_rl_join_weight_sync(routes_to_messages(receives[0]), 10.0, "torch")
         with pytest.raises(Exception):  # noqa: B017  the sender's plan check: its receiver left
             sending.result(timeout=30)
-    assert str(refused.value) == refusal("7B", 40), "the receive buffers, the free memory, the worker's utilization"
+    expected = receive_budget_refusal(receive_bytes=QWEN2_5_BF16_BYTES["7B"],
+                                      largest_tensor_bytes=QWEN2_5_BF16_BYTES["7B"],  # the layout's one tensor
+                                      free_bytes=round(0.3 * 40 * GIB), total_bytes=40 * GIB,
+                                      gpu_memory_utilization=0.7, tensor_parallel_size=1)  # fmt: skip
+    assert str(refused.value) == expected, "the receive buffers and largest tensor, the free memory, the utilization"
     assert asked == [None]  # once, on the worker's current device
     assert worker._colossal_rl_receivers == []

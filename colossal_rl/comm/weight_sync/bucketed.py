@@ -77,6 +77,10 @@ class WeightLayout:
     def total_bytes(self) -> int:
         return sum(spec.nbytes for spec in self.tensors)
 
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max(spec.nbytes for spec in self.tensors)
+
     def to_json(self) -> str:
         return json.dumps([[s.name, list(s.shape), str(s.dtype).removeprefix("torch.")] for s in self.tensors])
 
@@ -456,12 +460,13 @@ def join_as_receiver(
     transport: str = "torch",
     name: str = "weight_sync",
     device: torch.device | str = "cpu",
-    before_allocating: Callable[[int], None] | None = None,
+    before_allocating: Callable[[int, int], None] | None = None,
 ) -> WeightReceiver:
     """Join the group hosted by ``host_as_sender`` as ``rank`` (1 .. world_size - 1) and get the layout.
 
-    ``before_allocating`` gets the receive buffers' bytes (``receive_buffer_bytes``) once the layout is known and
-    before they are allocated on ``device``; it may raise to refuse (a vLLM worker whose GPU has no room for them
+    ``before_allocating`` gets the receive buffers' bytes (``receive_buffer_bytes``) and the largest tensor's bytes
+    (``WeightLayout.largest_tensor_bytes``) once the layout is known and before they are allocated on ``device``; it
+    may raise to refuse (a vLLM worker whose GPU has no room for them
     outside vLLM's budget): this member then leaves the group, and the sender's next collective fails."""
     group = create_group(
         transport, rank=rank, world_size=world_size, host=host, port=port, timeout_s=timeout_s, name=name, device=device
@@ -469,7 +474,7 @@ def join_as_receiver(
     layout, bucket_bytes = exchange_layout(group, None)
     if before_allocating is not None:
         try:
-            before_allocating(receive_buffer_bytes(layout, bucket_bytes))
+            before_allocating(receive_buffer_bytes(layout, bucket_bytes), layout.largest_tensor_bytes)
         except Exception:
             group.close()
             raise

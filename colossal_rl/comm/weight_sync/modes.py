@@ -189,7 +189,7 @@ def open_receivers(
     transport: str,
     device,
     member: int = 0,
-    before_allocating: Callable[[int], None] | None = None,
+    before_allocating: Callable[[int, int], None] | None = None,
 ) -> list:
     """One receiver per pipeline stage's route (stage order), each on its stage's group; ``member`` and
     ``before_allocating`` as below."""
@@ -217,10 +217,10 @@ def open_receiver(
     group_name: str,
     device,
     member: int = 0,
-    before_allocating: Callable[[int], None] | None = None,
+    before_allocating: Callable[[int, int], None] | None = None,
 ):
     """The receiver ``route`` asks for; ``member``: which of the producer's receiving processes this is.
-    ``before_allocating``: a broadcast receiver's check of its buffers' bytes on ``device`` (``join_as_receiver``);
+    ``before_allocating``: a broadcast receiver's check of its buffers' and largest tensor's bytes on ``device`` (``join_as_receiver``);
     shared memory and files are read into host memory and skip it."""
     if not 0 <= member < route.members:
         raise ValueError(f"member {member} of a route with {route.members} receiving processes")
