@@ -19,7 +19,17 @@ class JudgePromptTooLong(ValueError):
 class LocalModelJudge:
     """A :class:`~.judge.JudgeBackend` on a local model; safe to call from several threads (one batch at a time)."""
 
-    def __init__(self, model_path: str, max_new_tokens: int = 256, device: str = "cpu", batch_size: int = 16):
+    def __init__(
+        self,
+        model_path: str,
+        max_new_tokens: int = 256,
+        device: str = "cpu",
+        batch_size: int = 16,
+        dtype: str = "float32",
+    ):
+        """``dtype``: the model's torch dtype (``float32``, ``bfloat16``, ``float16``); reward actors pass
+        ``model_rewards.scoring_dtype(device)``, bfloat16 on GPUs."""
+        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if max_new_tokens < 1 or batch_size < 1:
@@ -29,7 +39,10 @@ class LocalModelJudge:
         self.batch_size = batch_size
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path).to(device).eval()
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype")
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=getattr(torch, dtype))
+        self.model = self.model.to(device).eval()
         self.max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.pad_token_id: int = 0 if pad is None else int(pad)

@@ -16,6 +16,13 @@ from .user_functions import RewardConfigError
 MODEL_REWARD_TYPES = ("model", "judge")
 
 
+def scoring_dtype(device: str) -> str:
+    """The torch dtype a served reward model or local judge loads in on ``device``: ``bfloat16`` on CUDA devices,
+    as the trainers' ``--precision auto`` (half the memory of float32: a 14B judge is 28 GB, not 56, before its KV
+    cache), ``float32`` elsewhere (CPU scores then equal a float32 reference's)."""
+    return "bfloat16" if device.split(":")[0] == "cuda" else "float32"
+
+
 @dataclass(frozen=True, kw_only=True)
 class JudgeSettings:
     """``-rt judge``: its template file, verdict rule, and where the judge runs (an endpoint or a local model)."""
@@ -81,13 +88,16 @@ def build_served_scorer(
     judge: JudgeSettings | None = None,
     device: str = "cpu",
 ) -> RewardScorer:
-    """What a reward actor scores with: the reward model (``model``) or the judge on its local model (``judge``)."""
+    """What a reward actor scores with: the reward model (``model``) or the judge on its local model (``judge``), in
+    :func:`scoring_dtype`'s dtype for ``device``."""
     if reward_type == "model":
         from .reward_model import RewardModelConfig, RewardModelScorer
 
         if reward_model is None:
             raise RewardConfigError("reward type 'model' needs --reward-model PATH_OR_NAME")
-        config = RewardModelConfig(normalisation=normalisation, batch_size=batch_size, device=device)
+        config = RewardModelConfig(
+            normalisation=normalisation, batch_size=batch_size, device=device, dtype=scoring_dtype(device)
+        )
         return RewardModelScorer(reward_model, config)
     if reward_type == "judge":
         from .judge import JudgeScorer, JudgeTemplate, parse_verdict_rule
@@ -95,6 +105,6 @@ def build_served_scorer(
 
         if judge is None or judge.model is None:
             raise RewardConfigError("a local judge needs --judge-template and --judge-model (its path or hub name)")
-        backend = LocalModelJudge(judge.model, device=device, batch_size=batch_size)
+        backend = LocalModelJudge(judge.model, device=device, batch_size=batch_size, dtype=scoring_dtype(device))
         return JudgeScorer(JudgeTemplate.from_file(judge.template), parse_verdict_rule(judge.rule), backend)
     raise RewardConfigError(f"{reward_type!r} is not served by reward actors; served types: {MODEL_REWARD_TYPES}")

@@ -1091,6 +1091,17 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_the_budget_counts_vllms_reload_copy_of_the_largest_tensor_at_the_boundary",
         ),
     ),
+    Mutation(
+        name="served_reward_models_load_in_fp32_on_gpus",
+        why="reward models and local judges load in float32 on GPUs (twice the memory of the trainers' bf16)",
+        path="reward/model_rewards.py",
+        old='    return "bfloat16" if device.split(":")[0] == "cuda" else "float32"\n',
+        new='    return "float32"\n',
+        tests=(
+            "tests/unit/test_model_reward_config.py::"
+            "test_a_served_scorer_built_for_a_device_loads_its_model_in_that_devices_dtype[cuda-bfloat16]",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

@@ -134,3 +134,30 @@ def test_a_mix_weighs_the_served_models_score_with_a_verifier_whose_correctness_
     assert (right.reward, wrong.reward) == (0.5, 0.5)  # 0 x boxed + 2 x the model's 0.25
     assert (right.answer_ok, wrong.answer_ok) == (True, False)  # boxed, listed first, decides correctness
     assert served.calls == 1
+
+
+# --- the precision a reward actor's model loads in (issue 61, item 6) ----------------------------------------------
+@pytest.mark.parametrize(
+    "device, dtype", [("cuda", "bfloat16"), ("cuda:1", "bfloat16"), ("cpu", "float32"), ("meta", "float32")]
+)
+def test_served_models_score_in_bf16_on_gpus_as_the_trainers_do_and_fp32_elsewhere(device, dtype):
+    from colossal_rl.reward.model_rewards import scoring_dtype
+
+    assert scoring_dtype(device) == dtype
+
+
+@pytest.mark.parametrize("device, dtype", [("cuda", "bfloat16"), ("cpu", "float32")])
+def test_a_served_scorer_built_for_a_device_loads_its_model_in_that_devices_dtype(monkeypatch, device, dtype):
+    """The reward actor builds its scorer for ``cuda`` when Ray gave it a GPU: the reward model's config and the
+    local judge's load both carry bfloat16 there (a 14B judge in float32 would take 56 GB before its KV cache). The
+    model classes are replaced by recorders: nothing is loaded, no GPU is needed."""
+    from colossal_rl.reward import build_served_scorer, judge_local, reward_model
+
+    built = {}
+    monkeypatch.setattr(reward_model, "RewardModelScorer", lambda path, config: built.setdefault("model", config))
+    monkeypatch.setattr(judge_local, "LocalModelJudge", lambda path, **kwargs: built.setdefault("judge", kwargs))
+    monkeypatch.setattr("colossal_rl.reward.judge.JudgeTemplate.from_file", lambda path: "template")
+    build_served_scorer("model", reward_model="rm", device=device)
+    build_served_scorer("judge", judge=JudgeSettings(template="judge.txt", model="judge-llm"), device=device)
+    assert (built["model"].device, built["model"].dtype) == (device, dtype)
+    assert (built["judge"]["device"], built["judge"]["dtype"]) == (device, dtype)
