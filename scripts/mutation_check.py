@@ -1102,6 +1102,17 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_a_served_scorer_built_for_a_device_loads_its_model_in_that_devices_dtype[cuda-bfloat16]",
         ),
     ),
+    Mutation(
+        name="one_gpu_check_needs_the_project_installed",
+        why="the one-GPU check's transformers-producer check imports colossal_rl.reward, which only an install maps",
+        path="tests/gpu/one_gpu_check.py",
+        old="        reward_package_from_checkout()\n        result = run()\n",
+        new="        result = run()\n",
+        tests=(
+            "tests/unit/test_one_gpu_check.py::"
+            "test_the_transformers_producer_check_runs_from_a_checkout_that_is_not_installed",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

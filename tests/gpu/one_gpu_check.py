@@ -16,6 +16,9 @@ where a check has a CPU analogue; the GPU-only checks report ``"skipped": "dry-r
 
 Imports: this parent process needs the standard library only; the checks import torch, transformers (through our
 producer) and our package's modules that need nothing more. Every check fails if ray, colossalai or vllm got imported.
+``colossal_rl.reward`` is the checkout's ``reward/`` mapped by ``setup.py``'s ``package_dir``, so it exists only where
+the project is installed: a check's process run from an uninstalled checkout registers ``reward/`` under that name
+first (``reward_package_from_checkout``); where it is installed, the installed one is used.
 """
 
 from __future__ import annotations
@@ -563,9 +566,35 @@ PEERS: dict[str, Callable[[Setting, dict], dict]] = {
 }
 
 
+def reward_package_from_checkout() -> str:
+    """Make ``colossal_rl.reward`` importable: the installed package's if there is one, else the checkout's
+    ``reward/`` registered under that name (as ``setup.py``'s ``package_dir`` maps it). Returns where it comes from."""
+    import importlib.util
+
+    import colossal_rl
+
+    if importlib.util.find_spec("colossal_rl.reward") is not None:
+        return "installed"
+    init = CHECKOUT / "reward" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "colossal_rl.reward", init, submodule_search_locations=[str(init.parent)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["colossal_rl.reward"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["colossal_rl.reward"]
+        raise
+    colossal_rl.reward = module  # type: ignore[attr-defined]  # what the import system sets for a submodule
+    return "checkout"
+
+
 def run_in_subprocess(run: Callable[[], dict]) -> int:
     """Body of a check's (or peer's) process: run, add the forbidden modules it imported, print the result line."""
     try:
+        reward_package_from_checkout()
         result = run()
     except Exception as error:
         result = {"ok": False, "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}

@@ -9,6 +9,9 @@ its own subprocess (peers and timeouts included), writes one JSON line per check
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import site
 import subprocess
 import sys
 import time
@@ -119,3 +122,51 @@ def surviving_peers(wait_s: float = 5.0) -> str:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
+
+
+def uninstalled_checkout(root: Path) -> Path:
+    """The checkout as the lent GPU machine has it: ``colossal_rl/``, ``reward/`` and the script, with nothing
+    mapping ``reward/`` to ``colossal_rl.reward`` (no ``colossal_rl/reward``, as a mutation-check copy links it)."""
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        skip = {"__pycache__"} | ({"reward", "assets"} if Path(directory) == CHECKOUT / "colossal_rl" else set())
+        return skip & set(names)
+
+    shutil.copytree(CHECKOUT / "colossal_rl", root / "colossal_rl", ignore=ignore)
+    (root / "colossal_rl" / "assets").symlink_to(CHECKOUT / "colossal_rl" / "assets", target_is_directory=True)
+    shutil.copytree(CHECKOUT / "reward", root / "reward", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "tests" / "gpu").mkdir(parents=True)
+    shutil.copy(SCRIPT, root / "tests" / "gpu" / SCRIPT.name)
+    return root
+
+
+def python_without_the_project(directory: Path) -> Path:
+    """An interpreter that has this environment's packages (torch, transformers) but not the project's editable
+    install: a bare virtualenv whose ``.pth`` adds our site-packages as a plain path (``.pth`` files there, the
+    editable install's finder among them, are then not run). Every process the script starts uses it too."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True, timeout=60)
+    (target,) = directory.glob("lib/python*/site-packages")
+    (target / "packages_without_the_project.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return directory / "bin" / "python"
+
+
+def test_the_transformers_producer_check_runs_from_a_checkout_that_is_not_installed(tmp_path):
+    """Issue 61, item 1: on the lent GPU machine the project is not installed (``PYTHONPATH=.``), and
+    ``colossal_rl.reward`` exists only through ``setup.py``'s ``package_dir``: the check must find ``reward/``
+    itself. Run as there: an uninstalled copy of the checkout on ``PYTHONPATH``, an interpreter without the editable
+    install."""
+    checkout = uninstalled_checkout(tmp_path / "checkout")
+    python = python_without_the_project(tmp_path / "venv")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"} | {"PYTHONPATH": str(checkout)}
+    probe = "import importlib.util as u, colossal_rl as c; print(c.__file__, u.find_spec('colossal_rl.reward'))"
+    seen = subprocess.run([python, "-c", probe], cwd=checkout, env=env, capture_output=True, text=True, timeout=60)
+    assert seen.stdout.split() == [str(checkout / "colossal_rl" / "__init__.py"), "None"], seen  # as on that machine
+    done = subprocess.run(
+        [python, str(checkout / "tests" / "gpu" / SCRIPT.name), "--dry-run", "--check", "transformers_producer",
+         "--timeout-s", "120"],
+        cwd=checkout, env=env, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    record, summary = (json.loads(line) for line in done.stdout.splitlines())
+    assert record["check"] == "transformers_producer" and record["ok"] is True, (record, done.stderr[-2000:])
+    assert "skipped" not in record and record["detail"]["model_devices"] == ["cpu"]
+    assert done.returncode == 0 and summary["ok"] is True
