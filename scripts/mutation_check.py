@@ -1113,6 +1113,30 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_the_transformers_producer_check_runs_from_a_checkout_that_is_not_installed",
         ),
     ),
+    Mutation(
+        name="shm_region_is_truncated_not_reserved",
+        why="the shm sender truncates its region instead of reserving it: SIGBUS at the first write on a small tmpfs",
+        path="colossal_rl/comm/weight_sync/shared_memory.py",
+        old="        reserve(data_path, size)  # first: a region that does not fit leaves nothing behind\n",
+        new='        with open(data_path, "wb") as file:\n            file.truncate(size)\n',
+        tests=(
+            "tests/unit/test_weight_sync_modes.py::test_shm_sender_reserves_the_regions_space_up_front",
+            "tests/unit/test_weight_sync_modes.py::"
+            "test_shm_sender_refuses_a_region_its_file_system_has_no_room_for_in_one_line",
+            "tests/unit/test_weight_sync_modes.py::test_shm_sender_turns_enospc_from_the_reservation_into_the_same_refusal",
+        ),
+    ),
+    Mutation(
+        name="auto_sync_mode_ignores_dev_shm_room",
+        why="--weight-sync-mode auto picks shm on GPUs even where the trainers' /dev/shm cannot hold the region",
+        path="colossal_rl/driver/placement.py",
+        old='            mode = "broadcast"\n',
+        new="            pass\n",
+        tests=(
+            "tests/unit/test_weight_sync_mode_alias.py::"
+            "test_auto_takes_the_broadcast_where_the_region_does_not_fit_a_trainer_nodes_dev_shm",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

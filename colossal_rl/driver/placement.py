@@ -18,14 +18,18 @@ GPUs and Ray may place them elsewhere rather than wait (a CPU actor only needs a
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from colossal_rl.comm.weight_sync.stages import GPU_ONLY_TRANSPORTS
+from colossal_rl.node_probes import Node, RunOnNodes, describe, run_on_nodes, unique_nodes
 
 if TYPE_CHECKING:
     from colossal_rl.config import RLConfig
+
+logger = logging.getLogger(__name__)
 
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 LOCAL_ADDRESS = "127.0.0.1"
@@ -146,14 +150,71 @@ def resolve_precision_for_cluster(config: RLConfig, ray_nodes: Iterable[Mapping[
         raise PlacementError(f"{flag_for(error.field_path)}: {error.message}") from None
 
 
-def resolve_sync_mode_for_cluster(config: RLConfig, ray_nodes: Iterable[Mapping[str, Any]]) -> RLConfig:
-    """``config`` with ``--weight-sync-mode auto`` resolved for this cluster (``config.resolve_weight_sync_mode``)."""
+def resolve_sync_mode_for_cluster(
+    config: RLConfig, ray_nodes: Iterable[Mapping[str, Any]], run: RunOnNodes = run_on_nodes
+) -> RLConfig:
+    """``config`` with ``--weight-sync-mode auto`` resolved for this cluster (``config.resolve_weight_sync_mode``):
+    ``shm`` on GPUs only where the shared-memory region fits every trainer node's ``/dev/shm``
+    (:func:`shm_shortfall`, asked of the nodes through ``run``), else the broadcast, said in one warning line."""
     from colossal_rl.config import resolve_weight_sync_mode
 
+    ray_nodes = list(ray_nodes)
     mode = resolve_weight_sync_mode(config.run.weight_sync_mode, on_gpu=trainers_use_gpus(ray_nodes))
+    if mode == "shm" and config.run.weight_sync_mode == "auto":
+        shortfall = shm_shortfall(config, ray_nodes, run)
+        if shortfall is not None:
+            logger.warning("--weight-sync-mode auto takes the broadcast, not shm: %s", shortfall)
+            mode = "broadcast"
     if mode == config.run.weight_sync_mode:
         return config
     return dataclasses.replace(config, run=dataclasses.replace(config.run, weight_sync_mode=mode))
+
+
+def shm_shortfall(config: RLConfig, ray_nodes: Iterable[Mapping[str, Any]], run: RunOnNodes) -> str | None:
+    """Where the shared-memory region (two copies of the weights in the training precision: an upper bound for
+    any one node, which holds one region per pipeline stage it sends) would not fit ``/dev/shm``, in one line; None
+    where it fits on every trainer node, or where the checkpoint's size cannot be read here (the sender still
+    reserves its region up front and refuses in one line)."""
+    from colossal_rl.comm.weight_sync.shared_memory import NUM_SLOTS, SHM_ROOT, free_bytes, more_shared_memory
+    from colossal_rl.config import resolve_precision
+    from colossal_rl.model_size import checkpoint_parameter_count
+
+    parameters = checkpoint_parameter_count(config.model.path)
+    if parameters is None:
+        logger.info("the size of %s is not known here: shm's room is checked by the sender", config.model.path)
+        return None
+    precision = resolve_precision(config.parallel.precision, on_gpu=True)
+    needed = NUM_SLOTS * parameters * (4 if precision == "fp32" else 2)
+    nodes = trainer_nodes(config, ray_nodes)
+    free = run(free_bytes, nodes, (str(SHM_ROOT),), config.run.timeout_s)
+    short = [
+        f"{describe(node)} has {room / 1e9:.2f} GB" for node, room in zip(nodes, free, strict=True) if room < needed
+    ]
+    if not short:
+        return None
+    return (
+        f"the region needs {needed / 1e9:.2f} GB of {SHM_ROOT} (two copies of the weights) and {'; '.join(short)} "
+        f"free; for shm give the trainers' containers more shared memory ({more_shared_memory(needed)})"
+    )
+
+
+def placement_for(config: RLConfig, ray_nodes: Iterable[Mapping[str, Any]]) -> Placement:
+    """Where ``config``'s actors go on this cluster (what ``actor_options`` gives ``spawn_actors``)."""
+    return plan_placement(
+        alive_nodes(ray_nodes), num_producers=config.schedule.num_producers,
+        producer_gpus=config.generation.tensor_parallel_size, num_trainers=config.parallel.num_trainers,
+        num_reward_actors=config.reward.num_reward_actors,
+    )  # fmt: skip
+
+
+def nodes_of(actors: Iterable[ActorPlacement]) -> list[Node]:
+    """(node id, address) of the nodes ``actors`` are placed on, each once, in order."""
+    return unique_nodes([(actor.node_id, actor.address) for actor in actors])
+
+
+def trainer_nodes(config: RLConfig, ray_nodes: Iterable[Mapping[str, Any]]) -> list[Node]:
+    """(node id, address) of the nodes the trainers are placed on, each once, in order."""
+    return nodes_of(placement_for(config, ray_nodes).trainers)
 
 
 def check_transport_for_cluster(transport: str, ray_nodes: Iterable[Mapping[str, Any]]) -> None:

@@ -105,8 +105,57 @@ def test_auto_is_shm_on_gpu_clusters_and_broadcast_on_cpu_ones():
     node = {"NodeID": "n0", "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8.0}}
     gpu_node = node | {"Resources": {"CPU": 8.0, "GPU": 8.0}}
     assert RLConfig().run.weight_sync_mode == "auto"
-    assert resolve_sync_mode_for_cluster(RLConfig(), [gpu_node]).run.weight_sync_mode == "shm"
-    assert resolve_sync_mode_for_cluster(RLConfig(), [node]).run.weight_sync_mode == "broadcast"
+    plenty = FakeShm({"n0": 2**40})
+    assert resolve_sync_mode_for_cluster(RLConfig(), [gpu_node], run=plenty).run.weight_sync_mode == "shm"
+    assert resolve_sync_mode_for_cluster(RLConfig(), [node], run=plenty).run.weight_sync_mode == "broadcast"
+    assert plenty.asked == [["n0"]]  # the trainers' node, once (on CPU nothing is asked)
+
+
+class FakeShm:
+    """A fake cluster's answer to the free-space probe: free bytes of /dev/shm by node id."""
+
+    def __init__(self, free_by_node: dict[str, int]):
+        self.free_by_node = free_by_node
+        self.asked: list[list[str]] = []
+
+    def __call__(self, function, nodes, args, timeout_s):
+        from colossal_rl.comm.weight_sync.shared_memory import free_bytes
+
+        assert function is free_bytes and args == ("/dev/shm",)
+        self.asked.append([node_id for node_id, _ in nodes])
+        return [self.free_by_node[node_id] for node_id, _ in nodes]
+
+
+def test_auto_takes_the_broadcast_where_the_region_does_not_fit_a_trainer_nodes_dev_shm(caplog):
+    """Two 8-GPU nodes, 8 producers then 8 trainers (the trainers fill node n1). The embedded model's region (two
+    bf16 copies on GPUs) fits n1's 1 GiB of /dev/shm but not 64 KiB: auto then takes the broadcast, in one warning
+    line naming the node, both sizes and --shm-size. A chosen shm is kept (its sender refuses in one line)."""
+    import dataclasses
+
+    from colossal_rl.config import ParallelConfig, ScheduleConfig
+    from colossal_rl.driver.placement import resolve_sync_mode_for_cluster
+    from colossal_rl.model_size import checkpoint_parameter_count
+
+    nodes = [
+        {"NodeID": f"n{i}", "Alive": True, "NodeManagerAddress": f"10.0.0.{i + 1}",
+         "Resources": {"CPU": 64.0, "GPU": 8.0} | ({"node:__internal_head__": 1.0} if i == 0 else {})}
+        for i in range(2)
+    ]  # fmt: skip
+    config = dataclasses.replace(RLConfig(), schedule=ScheduleConfig(num_producers=8),
+                                 parallel=ParallelConfig(num_trainers=8))  # fmt: skip
+    needed = 2 * 2 * checkpoint_parameter_count(config.model.path)  # two slots, bf16
+    assert 64 * 2**10 < needed < 2**30
+    roomy = FakeShm({"n0": 0, "n1": 2**30})
+    assert resolve_sync_mode_for_cluster(config, nodes, run=roomy).run.weight_sync_mode == "shm"
+    assert roomy.asked == [["n1"]]  # the trainers' node only
+    with caplog.at_level("WARNING", logger="colossal_rl.driver.placement"):
+        small = FakeShm({"n0": 2**40, "n1": 64 * 2**10})
+        assert resolve_sync_mode_for_cluster(config, nodes, run=small).run.weight_sync_mode == "broadcast"
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "--weight-sync-mode auto takes the broadcast, not shm" in line and "10.0.0.2 (node n1)" in line
+    assert f"needs {needed / 1e9:.2f} GB of /dev/shm" in line and "--shm-size=1g" in line and "\n" not in line
+    chosen = dataclasses.replace(config, run=dataclasses.replace(config.run, weight_sync_mode="shm"))
+    assert resolve_sync_mode_for_cluster(chosen, nodes, run=small).run.weight_sync_mode == "shm"  # asked for: kept
 
 
 def test_an_unresolved_auto_is_never_planned():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from colossal_rl.comm.weight_sync import shared_memory
 from colossal_rl.comm.weight_sync.bucketed import WeightLayout
 from colossal_rl.comm.weight_sync.files import FileReceiver, FileSender, sync_file_name, sync_files
 from colossal_rl.comm.weight_sync.modes import (
@@ -23,7 +25,13 @@ from colossal_rl.comm.weight_sync.modes import (
     region_name,
     shm_readers,
 )
-from colossal_rl.comm.weight_sync.shared_memory import SharedMemoryReceiver, SharedMemorySender, region_paths
+from colossal_rl.comm.weight_sync.shared_memory import (
+    SharedMemoryReceiver,
+    SharedMemorySender,
+    SharedMemorySpaceError,
+    region_bytes,
+    region_paths,
+)
 
 
 def state_dict(fill: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -115,6 +123,40 @@ def test_shm_round_trip_views_and_cleanup(region: str):
     sender.close()
     data, layout, locks = region_paths(region)
     assert not any(path.exists() for path in (data, layout, *locks))
+
+
+def test_shm_sender_reserves_the_regions_space_up_front(region: str):
+    """A truncated file is sparse: on a tmpfs without room the first write into it dies of SIGBUS. The data file
+    holds its blocks before anything is written (``posix_fallocate``)."""
+    sender = SharedMemorySender(region, WeightLayout.from_state_dict(state_dict(1.0)), timeout_s=5)
+    data_path = region_paths(region)[0]
+    assert os.stat(data_path).st_blocks * 512 >= os.stat(data_path).st_size == region_bytes(sender.layout)
+    sender.close()
+
+
+def test_shm_sender_refuses_a_region_its_file_system_has_no_room_for_in_one_line(region: str, monkeypatch):
+    """Docker's default /dev/shm is 64 MB: the refusal names the size needed and --shm-size, and leaves no file."""
+    layout = WeightLayout.from_state_dict(state_dict(1.0))
+    monkeypatch.setattr(shared_memory, "free_bytes", lambda directory: 64 * 2**10)
+    with pytest.raises(SharedMemorySpaceError) as refused:
+        SharedMemorySender(region, layout, timeout_s=5)
+    message = str(refused.value)
+    assert f"the region needs {region_bytes(layout) / 1e9:.2f} GB" in message and "--shm-size=1g" in message
+    assert "\n" not in message and "--weight-sync-mode broadcast" in message
+    assert list(Path(region).parent.iterdir()) == []
+
+
+def test_shm_sender_turns_enospc_from_the_reservation_into_the_same_refusal(region: str, monkeypatch):
+    """The free-space probe is a hint (another process may take the room first): ENOSPC from ``posix_fallocate``
+    itself is refused the same way, and the file is removed."""
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(SharedMemorySpaceError, match="--shm-size"):
+        SharedMemorySender(region, WeightLayout.from_state_dict(state_dict(1.0)), timeout_s=5)
+    assert list(Path(region).parent.iterdir()) == []
 
 
 def test_shm_receiver_waits_for_a_newer_version_and_times_out_naming_the_region(region: str):

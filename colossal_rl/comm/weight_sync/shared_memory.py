@@ -11,14 +11,22 @@ the returned tensors are zero-copy views into the slot that the sender cannot ov
 writes the other slot, then waits for the readers to move on). A reader therefore sees version v or v + 1
 whole, never a torn mix. Every wait is bounded by ``timeout_s`` and its error names the region.
 
+The data file's space is reserved up front (``os.posix_fallocate``): on a small ``/dev/shm`` (Docker and Kubernetes
+give containers 64 MB) a truncated file maps fine and the first write into a page the tmpfs cannot back kills the
+process with SIGBUS, without a word. A region that does not fit is refused in one line naming the size it needs and
+``--shm-size`` (``SharedMemorySpaceError``); ``--weight-sync-mode auto`` checks the trainers' nodes first and takes
+the broadcast where it would not fit (``driver/placement.py``).
+
 Nothing here forms a collective or knows about Ray; producers on other hosts use the broadcast
 (``modes.py`` decides who reads what).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -46,6 +54,53 @@ UNWRITTEN = -1  # a slot's stamp while it is being written (and before its first
 COPY_PIECE_BYTES = 32 * 2**20
 # Two threads copy ~1.4x faster than one on the 2-core test VM (988 MB: 0.13 s vs 0.18 s); more gave nothing there.
 DEFAULT_COPY_THREADS = min(2, os.cpu_count() or 1)
+
+
+class SharedMemorySpaceError(OSError):
+    """The file system under a shared-memory region has no room for it; the message says how much it needs."""
+
+
+def free_bytes(directory: str | Path) -> int:
+    """Bytes an unprivileged process can still allocate in ``directory``'s file system (``/dev/shm``: a tmpfs)."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def region_bytes(layout: WeightLayout) -> int:
+    """The data file's size for ``layout``: every slot, each the whole layout plus its stamp, aligned."""
+    return NUM_SLOTS * single_bucket(layout)[1]
+
+
+def more_shared_memory(needed_bytes: int) -> str:
+    """How to give a container ``needed_bytes`` of ``/dev/shm`` (with a margin for its other users)."""
+    size_gib = max(1, math.ceil(needed_bytes * 1.1 / 2**30))
+    return f"docker run --shm-size={size_gib}g, or a memory-backed emptyDir at /dev/shm on Kubernetes"
+
+
+def space_refusal(where: str | Path, needed_bytes: int, free: int) -> str:
+    """The one line refusing a region of ``needed_bytes`` in ``where``, which has ``free`` bytes."""
+    return (
+        f"shared-memory weight sync: {where} has {free / 1e9:.2f} GB free but the region needs {needed_bytes / 1e9:.2f} "
+        f"GB (two copies of the stage's weights); give the trainers' containers more shared memory "
+        f"({more_shared_memory(needed_bytes)}) or use --weight-sync-mode broadcast"
+    )
+
+
+def reserve(path: Path, size: int) -> None:
+    """Create ``path`` with ``size`` bytes actually allocated, or raise ``SharedMemorySpaceError`` (nothing left)."""
+    available = free_bytes(path.parent)
+    if available < size:
+        raise SharedMemorySpaceError(errno.ENOSPC, space_refusal(path.parent, size, available))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        path.unlink(missing_ok=True)
+        if error.errno not in (errno.ENOSPC, errno.EFBIG):
+            raise
+        raise SharedMemorySpaceError(errno.ENOSPC, space_refusal(path.parent, size, free_bytes(path.parent))) from None
+    finally:
+        os.close(fd)
 
 
 def region_paths(region: str | Path) -> tuple[Path, Path, list[Path]]:
@@ -113,10 +168,9 @@ class SharedMemorySender:
         self.checksum = plan_checksum(layout, self.slot_bytes)
         data_path, layout_path, lock_paths = region_paths(region)
         self._paths = [data_path, layout_path, *lock_paths]
-        self._lock_fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in lock_paths]
         size = NUM_SLOTS * self.slot_bytes
-        with open(data_path, "wb") as file:
-            file.truncate(size)
+        reserve(data_path, size)  # first: a region that does not fit leaves nothing behind
+        self._lock_fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in lock_paths]
         self._data = torch.from_file(str(data_path), shared=True, size=size, dtype=torch.uint8)
         self._slots = [self._data[s * self.slot_bytes : s * self.slot_bytes + self.bucket.nbytes] for s in range(2)]
         self._views = [unpack_bucket(self.bucket, slot).values() for slot in self._slots]
