@@ -7,15 +7,22 @@ producers first reads the driver's version — ``/proc/driver/nvidia/version`` (
 ``nvidia-smi`` — and refuses in one line naming it. The trainers' torch 2.5.1 (CUDA 12.4) is satisfied by any driver
 that satisfies this.
 
-Pure functions of text plus two small readers; importing this module needs nothing beyond the standard library.
+The version is read on the nodes that host the GPU producers (``check_driver_on_nodes``), not on the driver's
+machine: that is often a CPU-only head or login node (KubeRay's head pod), which has no driver at all while the GPU
+nodes have a good one, and the GPU nodes' own drivers are what the producers run on.
+
+Pure functions of text plus small readers; importing this module needs nothing beyond the standard library.
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from colossal_rl.env_builds import ProducerEnvError
+from colossal_rl.node_probes import Node, RunOnNodes, describe
 
 MIN_DRIVER_FOR_CUDA_13 = (580, 0)
 """CUDA 13.0's minimum Linux driver: r580."""
@@ -64,3 +71,17 @@ def driver_problem(version: str | None) -> str | None:
             "the CPU); upgrade the driver, or run -b transformers"
         )
     return None
+
+
+def check_driver_on_nodes(nodes: Sequence[Node], timeout_s: float, run: RunOnNodes) -> None:
+    """Before GPU producers start: read the driver's version on each of ``nodes`` (those hosting a GPU producer),
+    through ``run`` (``node_probes.run_on_nodes``), and raise :class:`ProducerEnvError` in one line naming every node
+    whose driver cannot run them."""
+    versions = run(read_driver_version, nodes, (), timeout_s)
+    failing = [
+        f"{describe(node)}: {problem}"
+        for node, version in zip(nodes, versions, strict=True)
+        if (problem := driver_problem(version)) is not None
+    ]
+    if failing:
+        raise ProducerEnvError(f"the GPU producers' nodes: {'; '.join(failing)}")

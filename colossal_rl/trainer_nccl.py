@@ -19,6 +19,14 @@ check (``tests/gpu/``): written, not run on a GPU.
 copy); ``COLOSSAL_RL_TRAINER_NCCL=none`` turns the preload off (then every weight-sync group refuses to form in one
 line naming both releases, unless the producers run the trainers' release by other means).
 
+The preload is a path on the driver's machine, and every node that hosts a trainer needs the library at that path:
+elsewhere the dynamic linker says "cannot be preloaded ... ignored" and the actor runs torch's NCCL 2.21.5. The
+weight-sync groups would refuse that (``comm/nccl_release.py``), but ColossalAI's own group among trainers on two
+nodes would mix releases unchecked. So before the actors start, ``check_trainer_nccl_on_nodes`` runs
+``preloaded_release`` on each of those nodes: it installs the library there when it is the default install and
+missing, then starts this environment's Python under the preload and asks which release it runs; every node must
+answer ``NCCL_RELEASE``, and the run stops in one line naming the nodes that do not.
+
 Importing this module needs neither torch nor Ray.
 """
 
@@ -28,12 +36,15 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from colossal_rl.comm.nccl_release import NCCL_RELEASE, NCCL_SONAME, TRAINER_NCCL_PACKAGE, library_version
-from colossal_rl.env_builds import ProducerEnvError, cache_root, locked, run_step
+from colossal_rl.env_builds import CACHE_VARIABLE, ProducerEnvError, cache_root, locked, run_step
+from colossal_rl.node_probes import Node, RunOnNodes, describe
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +81,10 @@ def ensure_trainer_nccl(*, lock_timeout_s: float = INSTALL_LOCK_TIMEOUT_S) -> Pa
     override = os.environ.get(OVERRIDE_VARIABLE)
     if override:
         return None if override.lower() == "none" else _checked(Path(override), f"{OVERRIDE_VARIABLE}={override}")
+    return _default_install(lock_timeout_s)
+
+
+def _default_install(lock_timeout_s: float = INSTALL_LOCK_TIMEOUT_S) -> Path:
     directory = install_dir()
     if is_installed(directory):
         return library_path(directory)
@@ -123,3 +138,55 @@ def trainer_runtime_env(on_gpu: bool) -> dict:
         return {}
     env_vars = preload_env_vars(ensure_trainer_nccl(), os.environ.get("LD_PRELOAD"))
     return {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+
+
+RELEASE_PROBE = (
+    "import torch; from colossal_rl.comm.nccl_release import loaded_nccl_version; print(loaded_nccl_version())"
+)
+"""What a fresh process of this environment says it runs (torch's CUDA library has loaded ``libnccl.so.2`` by then)."""
+
+
+def preloaded_release(library: str, timeout_s: float = 300.0) -> tuple[str | None, str | None]:
+    """Run on one node: ``(release, problem)`` of a process of this environment started under the preload of
+    ``library``, as a trainer is. The default install missing there is installed first (this node's cache). The
+    release is None for a torch without NCCL (CPU builds); ``problem`` is None when the probe ran."""
+    path = Path(library)
+    if not path.is_file() and path == library_path(install_dir()):
+        try:
+            _default_install()
+        except ProducerEnvError as error:
+            return None, f"installing {requirement()} there failed: {error}"
+    if not path.is_file():
+        return None, f"no NCCL library at {library}"
+    env = os.environ | preload_env_vars(path, os.environ.get("LD_PRELOAD"))
+    try:
+        done = subprocess.run([sys.executable, "-c", RELEASE_PROBE], env=env, capture_output=True, text=True,
+                              timeout=timeout_s)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"{sys.executable} under the preload: {error}"
+    said = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not said:
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        return None, f"{sys.executable} under the preload: exit status {done.returncode}: {last}"
+    return (None if said[-1] == "None" else said[-1]), None
+
+
+def check_trainer_nccl_on_nodes(library: Path, nodes: Sequence[Node], timeout_s: float, run: RunOnNodes) -> None:
+    """Before the trainers start: ``preloaded_release`` on each of ``nodes`` (those hosting an actor of the trainers'
+    environment that joins NCCL groups), through ``run`` (``node_probes.run_on_nodes``); raise
+    :class:`ProducerEnvError` in one line naming every node whose trainers would not run ``NCCL_RELEASE`` (the
+    trainers' group and the weight sync would mix releases)."""
+    answers = run(preloaded_release, nodes, (str(library),), timeout_s)
+    failing = []
+    for node, (release, problem) in zip(nodes, answers, strict=True):
+        if problem is not None:
+            failing.append(f"{describe(node)}: {problem}")
+        elif release != NCCL_RELEASE:
+            failing.append(f"{describe(node)}: NCCL {release} under the preload")
+    if failing:
+        raise ProducerEnvError(
+            f"the trainers' NCCL preload {library} does not give NCCL {NCCL_RELEASE} on every node hosting a trainer: "
+            f"{'; '.join(failing)}. Each node needs that release at that path: run 'python -m colossal_rl.producer_env "
+            f"build' there from a checkout at the same path, put {cache_root().parent} ({CACHE_VARIABLE}) on a file "
+            f"system the nodes share, or set {OVERRIDE_VARIABLE} to a copy present on every node"
+        )

@@ -1137,6 +1137,30 @@ MUTATIONS: tuple[Mutation, ...] = (
             "test_auto_takes_the_broadcast_where_the_region_does_not_fit_a_trainer_nodes_dev_shm",
         ),
     ),
+    Mutation(
+        name="driver_version_read_on_the_drivers_machine",
+        why="the NVIDIA driver is read where the driver runs (a CPU-only head), not on the GPU producers' nodes",
+        path="colossal_rl/nvidia_driver.py",
+        old="    versions = run(read_driver_version, nodes, (), timeout_s)\n",
+        new="    versions = [read_driver_version() for _ in nodes]\n",
+        tests=(
+            "tests/unit/test_gpu_node_checks.py::"
+            "test_a_head_without_a_driver_does_not_stop_gpu_producers_whose_nodes_have_r580",
+            "tests/unit/test_gpu_node_checks.py::test_a_gpu_producer_node_with_an_old_driver_is_named",
+        ),
+    ),
+    Mutation(
+        name="trainer_nccl_preload_unchecked_per_node",
+        why="the trainers' NCCL preload is a path on the driver's machine, never checked on the trainers' nodes",
+        path="colossal_rl/driver/node_checks.py",
+        old="        check_trainer_nccl_on_nodes(library, nodes_of(in_trainer_env), timeout_s, run)\n",
+        new="        pass\n",
+        tests=(
+            "tests/unit/test_gpu_node_checks.py::"
+            "test_a_head_without_a_driver_does_not_stop_gpu_producers_whose_nodes_have_r580",
+            "tests/unit/test_gpu_node_checks.py::test_a_trainer_node_where_the_preload_is_missing_or_ignored_is_named",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.

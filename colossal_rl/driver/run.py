@@ -19,6 +19,7 @@ from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE
 from colossal_rl.driver.actor_groups import TrainerGroup, spawn_actors
 from colossal_rl.driver.calls import Calls, RunFailed, gather, gather_groups
+from colossal_rl.driver.node_checks import check_gpu_nodes
 from colossal_rl.driver.placement import check_transport_for_cluster, resolve_sync_mode_for_cluster
 from colossal_rl.driver.producer_restarts import ProducerRestarts, redo_lost
 from colossal_rl.driver.save_and_resume import checkpoints_dir, restore_run
@@ -74,6 +75,7 @@ class Driver:
         """Chunk id -> ``ChunkResult`` of the rollouts that checkpoint saved (payloads back in the object store)."""
         check_transport_for_cluster(config.run.weight_sync_backend, ray.nodes())  # before any actor starts
         config = resolve_sync_mode_for_cluster(config, ray.nodes())  # resolved already by run_training; tests
+        check_gpu_nodes(config, ray.nodes())  # the GPU nodes' driver and NCCL preload, where the actors will run
         self.config = config
         self.run_dir = run_dir
         self.metrics = metrics
