@@ -8,8 +8,12 @@ release cannot go down (there is no CUDA 13 build of 2.21.5), so the trainers' s
 the CUDA 12 build of the producers' release (``trainer_nccl.py``), and both sides then run ``NCCL_RELEASE``.
 ``tests/contract/test_nccl_release_wheels.py`` holds the resolved metadata of both environments to it.
 
-Before any NCCL group forms, every member reports the release its process has loaded through the group's store and
-a mismatch ends the run in one line naming both (``check_one_release``), instead of NCCL's hang or abort.
+Before a torch NCCL group forms (``process_group.create_standalone_group``: the ``torch`` weight-sync transport),
+every member reports the release its process has loaded through the group's store and a mismatch ends the run in one
+line naming both (``check_one_release``), instead of NCCL's hang or abort. The ``ray_nccl`` transport has no store to
+exchange them through; there each side is held to ``NCCL_RELEASE`` before the actors start instead (the trainers'
+nodes by ``trainer_nccl.check_trainer_nccl_on_nodes``, the vLLM producers' environment by its build's self-check):
+``comm/ray_nccl_group.py`` says why.
 
 Importing this module needs no torch; ``loaded_nccl_version`` imports it when called.
 """

@@ -57,6 +57,17 @@ does not hold. After a timeout or failure the group is unusable: later calls rai
 ``close()`` leaves Ray's communicator alone (its kernel may still hold the GPU stream until the
 process ends; after a failed wait the driver kills every actor).
 
+NCCL releases are not compared member against member here, unlike the torch group
+(``process_group._check_nccl_releases``): Ray's rendezvous passes only NCCL's unique id through its store actor,
+and the group has no store of ours to publish releases in (a ``TCPStore`` on the sender's address would be a
+second rendezvous beside Ray's, for this check alone). cupy-cuda12x bundles no NCCL: it calls the
+``libnccl.so.2`` its process loaded, torch's, so each side's release is its environment's, checked before the
+actors start: the trainers' nodes run their preload and report ``NCCL_RELEASE``
+(``trainer_nccl.check_trainer_nccl_on_nodes``), and a GPU producers' environment whose torch runs another
+release fails its build's self-check (``producer_env.torch_build_problem``). A producer interpreter given by
+``COLOSSAL_RL_PRODUCER_PYTHON`` is not checked that way; NCCL then refuses a mismatch itself ("Mismatched NCCL
+version detected"), without our one-line message.
+
 This module holds no weight logic and imports neither Ray nor cupy at import time.
 """
 

@@ -51,7 +51,7 @@ def init_ray(config: RLConfig) -> None:
         "TOKENIZERS_PARALLELISM": "false",
         "WANDB_MODE": "disabled",
         "NCCL_CUMEM_ENABLE": "0",
-    }  # fmt: skip  (vLLM sets 0 in the producers: NCCL peers must agree)
+    }  # fmt: skip  (the vLLM producers get 0 too, from producer_env: vLLM 0.32 no longer sets it itself)
     runtime_env = {"env_vars": env}
     if config.run.master_address:
         from colossal_rl.ray_address import ray_address
