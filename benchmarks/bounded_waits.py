@@ -152,6 +152,7 @@ def _layout_worker(rank: int, port: int, out_dir: str) -> None:
 
     from colossal_rl.config import AlgorithmConfig, RLConfig, TrainConfig
     from colossal_rl.training.booster_plugins import launch_colossalai, make_hybrid_plugin
+    from colossal_rl.training.engines.colossalai_engine import ColossalAIEngine
     from colossal_rl.training.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -168,7 +169,7 @@ def _layout_worker(rank: int, port: int, out_dir: str) -> None:
         if name == "hybrid_zero1_dp2":  # the hybrid plugin, where make_plugin would choose LowLevelZero
             plugin = make_hybrid_plugin(parallel, microbatch_size=4, max_norm=1.0, on_cpu=True)
         trainer = Trainer(rank, 2, config, "127.0.0.1", port)
-        trainer.build(plugin=plugin)
+        trainer.build(ColossalAIEngine(config, plugin=plugin))
         for step in range(LAYOUT_STEPS):
             batch = _batch(trainer.vocab_size, step)
             groups = list(range(trainer.dp_rank, batch.num_groups, trainer.dp_size))

@@ -38,6 +38,8 @@ EMBEDDED_ARITHMETIC_EVAL_DATA = ASSETS_DIR / "arithmetic" / "eval.jsonl"
 Precision = Literal["fp32", "bf16", "fp16"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
 """``parallel.precision`` as configured: a precision, or ``auto`` (follow the trainers' device)."""
+TrainerBackendChoice = Literal["auto", "colossalai", "fsdp2"]
+"""``parallel.trainer_backend``: the trainers' engine (``training/engines/``)."""
 # Names of registry entries, written here so the config imports no torch (nor reward/); test_config_names.py
 # checks each against its registry: LOSS_AGGREGATIONS, KL_ESTIMATORS, reward.REWARD_TYPES, NORMALISATIONS, LR_SCHEDULES,
 # training.sequence_layout.SEQUENCE_LAYOUTS (+ auto), training.objective.OBJECTIVES.
@@ -478,15 +480,22 @@ class ParallelConfig:
     num_trainers: int = 1
     """Consumer processes (ColossalChat's -t)."""
     tp_size: int = 1
-    """Tensor-parallel size of the consumers."""
+    """Tensor-parallel size of the consumers (colossalai; fsdp2 refuses tp > 1 for now)."""
     pp_size: int = 1
-    """Pipeline-parallel size of the consumers."""
+    """Pipeline-parallel size of the consumers (colossalai only; fsdp2 refuses pp > 1)."""
     zero_stage: int = 0
-    """ZeRO stage of the consumers (0, 1 or 2)."""
+    """ZeRO stage of the consumers (0, 1 or 2; colossalai only: fsdp2 always shards parameters, gradients and
+    optimizer states, ZeRO-3's layout, and refuses a stage)."""
     precision: PrecisionChoice = "auto"
     """Training precision of the consumers. ``auto``: bf16 when the trainers run on GPUs, fp32 on CPU
     (:func:`resolve_precision`); the driver resolves it once it sees the Ray cluster's GPUs and logs it, and the
     run directory's ``config.yaml`` holds the resolved value (a resume keeps the checkpoint's)."""
+    trainer_backend: TrainerBackendChoice = "auto"
+    """The trainers' engine. ``colossalai``: ColossalAI 0.5.0's Booster plugins in the trainers' environment
+    (torch 2.5.1, transformers 4.51.3). ``fsdp2``: torch's FSDP2 in the producers' environment (today's torch and
+    transformers: the model types of 2026); every actor that loads the model then runs there. ``auto``: colossalai
+    when the trainers' transformers knows the model's ``model_type``, else fsdp2 (resolved before Ray starts). The
+    batch flags (-tbs, -tMbs, -tmbs, --max-tokens-per-microbatch) mean the same under both."""
 
     @property
     def dp_size(self) -> int:
@@ -503,6 +512,9 @@ class ParallelConfig:
         )
         _require(self.zero_stage in (0, 1, 2), "parallel.zero_stage", "must be 0, 1 or 2")
         _require_choice(self.precision, PrecisionChoice, "parallel.precision")
+        _require_choice(self.trainer_backend, TrainerBackendChoice, "parallel.trainer_backend")
+        if self.trainer_backend == "fsdp2":
+            self._validate_fsdp2()
         if self.tp_size > 1 or self.pp_size > 1:  # ColossalAI's HybridParallelPlugin trains these layouts
             _require(
                 self.zero_stage == 0 or self.precision != "fp32",
@@ -515,6 +527,31 @@ class ParallelConfig:
                 "parallel.zero_stage",
                 "pipeline parallelism allows ZeRO 0 or 1",
             )
+
+    def _validate_fsdp2(self) -> None:
+        """What ColossalAI's layout flags mean on fsdp2 (docs: the flag reference); one that means nothing there is
+        refused naming it."""
+        _require(
+            self.pp_size == 1,
+            "parallel.pp_size",
+            "pipeline parallelism is ColossalAI's: --trainer-backend fsdp2 trains with -pp 1 (use colossalai for -pp)",
+        )
+        _require(
+            self.zero_stage == 0,
+            "parallel.zero_stage",
+            "fsdp2 always shards parameters, gradients and optimizer states over the trainers (ZeRO-3's layout): "
+            "drop --zero-stage",
+        )
+        _require(
+            self.tp_size == 1,
+            "parallel.tp_size",
+            "fsdp2 trains with -tp 1 here (DTensor tensor parallelism is not wired yet): use colossalai for -tp",
+        )
+        _require(
+            self.precision != "fp16",
+            "parallel.precision",
+            "fsdp2 trains in fp32 or bf16 (fp16 needs a sharded loss scaler): pass bf16, or use colossalai",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

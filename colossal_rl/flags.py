@@ -156,6 +156,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-pp", "--pipeline-parallel-size"), "parallel.pp_size"),
     Flag(("-zero", "--zero-stage"), "parallel.zero_stage"),
     Flag(("--precision",), "parallel.precision"),
+    Flag(("--trainer-backend",), "parallel.trainer_backend"),
     Flag(("-i", "--num-inferencer"), "schedule.num_producers"),
     Flag(("-ibs", "--inference-batch-size"), "schedule.inference_batch_size"),
     Flag(("-e", "--num-episodes"), "schedule.num_episodes"),

@@ -13,7 +13,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-LONGEST_FIRST = ("tests/e2e/", "tests/vllm_engine/", "tests/dist/")
+LONGEST_FIRST = ("tests/e2e/", "tests/vllm_engine/", "tests/engines/", "tests/dist/")
 """Directories whose files run longest, in the order their files are handed to the xdist workers: the long files
 first and the many short unit files last, so the two workers end together instead of one waiting on the last long
 file (the vLLM files start after the e2e ones, by when the background build of their environment is done)."""
@@ -39,6 +39,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 _background_build: subprocess.Popen | None = None
+
+
+@pytest.fixture(scope="session")
+def producer_python() -> str:
+    """The producers' environment's interpreter (real vLLM on CPU, today's torch: the fsdp2 trainers' too), built on
+    first use and cached (``colossal_rl/producer_env.py``)."""
+    from colossal_rl.producer_env import ensure_producer_env
+
+    return str(ensure_producer_env("cpu"))
 
 
 def producer_env_missing() -> bool:

@@ -1,7 +1,7 @@
-"""A trainer rank's part of a checkpoint: model, optimizer, LR scheduler and RNG, through the Booster.
+"""A trainer rank's part of a checkpoint: model and optimizer (the training engine's format), LR scheduler and RNG.
 
-Every rank calls :func:`save_trainer_state` / :func:`load_trainer_state` (with ZeRO, TP or PP the
-plugin's checkpoint IO is collective and each rank writes or reads its own shards). The driver
+Every rank calls :func:`save_trainer_state` / :func:`load_trainer_state` (the engine's checkpoint IO is collective
+and each rank writes or reads its own shards). The driver
 renames the directory only after every rank has returned, so the commit is atomic.
 :func:`export_hf` writes the Hugging Face directory from the full state dict the weight sync
 already gathers. Plain functions, no Ray.
@@ -11,45 +11,52 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-MODEL_DIR = "model"
-OPTIMIZER_DIR = "optimizer"
 SCHEDULER_FILE = "lr_scheduler.pt"
+
+
+class EngineState(Protocol):
+    """What a checkpoint needs of a training engine (``training/engines/base.py``)."""
+
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def save_state(self, directory: Path, *, rank: int) -> None: ...
+
+    def load_state(self, directory: Path, *, rank: int) -> None: ...
 
 
 def _rng_file(directory: Path, rank: int) -> Path:
     return directory / f"rng_rank{rank}.pt"
 
 
-def save_trainer_state(booster, model, optimizer, lr_scheduler, directory: Path, *, rank: int, step: int) -> None:
+def save_trainer_state(engine: EngineState, directory: Path, *, rank: int, step: int) -> None:
+    """The engine's model and optimizer state, the LR schedule (rank 0) and this rank's RNG. Collective."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    booster.save_model(model, str(directory / MODEL_DIR), shard=True)  # tied weights: no safetensors
-    booster.save_optimizer(optimizer, str(directory / OPTIMIZER_DIR), shard=True)
+    engine.save_state(directory, rank=rank)
     if rank == 0:
-        booster.save_lr_scheduler(lr_scheduler, str(directory / SCHEDULER_FILE))
+        torch.save(engine.lr_scheduler.state_dict(), directory / SCHEDULER_FILE)
     rng = {"step": step, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, _rng_file(directory, rank))
 
 
-def load_trainer_state(booster, model, optimizer, lr_scheduler, directory: Path, *, rank: int) -> int:
-    """Restore this rank's state from ``directory``; returns the optimizer step it was saved at."""
+def load_trainer_state(engine: EngineState, directory: Path, *, rank: int) -> int:
+    """Restore this rank's state from ``directory``; returns the optimizer step it was saved at. Collective."""
     directory = Path(directory)
-    for needed in (directory / MODEL_DIR, directory / OPTIMIZER_DIR, directory / SCHEDULER_FILE):
-        if not needed.exists():
-            raise FileNotFoundError(f"{needed}: missing from the trainer checkpoint")
+    if not (directory / SCHEDULER_FILE).exists():
+        raise FileNotFoundError(f"{directory / SCHEDULER_FILE}: missing from the trainer checkpoint")
     rng_path = _rng_file(directory, rank)
     if not rng_path.is_file():
         raise FileNotFoundError(f"{rng_path}: no RNG state for trainer rank {rank} (saved with fewer trainers?)")
-    booster.load_model(model, str(directory / MODEL_DIR))
-    booster.load_optimizer(optimizer, str(directory / OPTIMIZER_DIR))
-    booster.load_lr_scheduler(lr_scheduler, str(directory / SCHEDULER_FILE))
+    engine.load_state(directory, rank=rank)
+    engine.lr_scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=False))
     rng = torch.load(rng_path, weights_only=False)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():

@@ -35,19 +35,14 @@ from colossalai.interface import OptimizerWrapper
 
 from colossal_rl.config import ConfigError, ParallelConfig, resolve_precision
 from colossal_rl.training.cpu_compat import apply_cpu_compat_patches
+from colossal_rl.training.rendezvous import connect_rendezvous_store, open_rendezvous_store
+
+__all__ = ["clip_and_step", "launch_colossalai", "make_plugin", "open_rendezvous_store", "tensor_parallel_group"]
 
 logger = logging.getLogger(__name__)
 
 # fp16 starts at 2**16: ColossalAI's ZeRO default of 2**32 overflows, skipping the first step.
 _FP16_INITIAL_SCALE = 2.0**16
-
-
-def open_rendezvous_store(port: int, world_size: int, *, timeout_s: float = 600.0) -> dist.TCPStore:
-    """Rank 0's store of the consumers' process group, listening on ``port`` (0: a free one, see ``.port``)."""
-    return dist.TCPStore(
-        "0.0.0.0", port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )  # fmt: skip
 
 
 def launch_colossalai(
@@ -75,12 +70,7 @@ def launch_colossalai(
     if on_cpu:
         apply_cpu_compat_patches()
     accelerator = get_accelerator()
-    if store is None:
-        if rank == 0:
-            store = open_rendezvous_store(master_port, world_size, timeout_s=timeout_s)
-        else:
-            timeout = datetime.timedelta(seconds=timeout_s)
-            store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+    store = connect_rendezvous_store(rank, world_size, master_addr, master_port, store=store, timeout_s=timeout_s)
     dist.init_process_group(  # without a timeout torch's default (10 minutes) bounds every collective, not --timeout
         backend=accelerator.communication_backend,
         store=store,

@@ -49,12 +49,18 @@ class MicroBatchForward:
         vocab_size: int,
         max_over_ranks: Callable[[int], int] | None,
         rope_tokens: RopeTokens | None = None,
+        head_weight_outside_forward: bool = True,
+        forward_is_collective: bool = False,
     ):
         """``tp_group``: set when logits come vocabulary-sharded (tensor parallelism). ``max_over_ranks``: the
         maximum of an int over the data-parallel ranks (None: a single data-parallel rank). ``rope_tokens``: a
         vision-language policy's image tokens (``vision/rope.py``): batches with images then get multimodal
-        positions and their images."""
+        positions and their images. ``head_weight_outside_forward`` and ``forward_is_collective``: the training
+        engine's (``engines/base.py``): log-probs from hidden states need the first; the second makes every forward,
+        no-grad ones too, run as many micro-batches on every data-parallel rank."""
         self.config = config
+        self.head_weight_outside_forward = head_weight_outside_forward
+        self.forward_is_collective = forward_is_collective
         self.layout = config.sequence_layout_for(vision_language=rope_tokens is not None)
         self.by_shape = (
             config.train.sequence_layout == "auto"
@@ -81,7 +87,7 @@ class MicroBatchForward:
     @contextlib.contextmanager
     def output_head(self, model: torch.nn.Module) -> Iterator[torch.Tensor | None]:
         """Yields the output head's weight when log-probs come from hidden states, else None (full logits)."""
-        if self.config.train.logits_from_hidden and self.tp_group is None:
+        if self.config.train.logits_from_hidden and self.tp_group is None and self.head_weight_outside_forward:
             with output_head_returns_hidden(model) as weight:
                 yield weight
         else:
@@ -104,7 +110,7 @@ class MicroBatchForward:
         if train.max_tokens_per_microbatch is None:
             return micro_batches.by_count(units, train.microbatch_size)
         parts = micro_batches.by_budget(units, train.max_tokens_per_microbatch, padded=padded, shared_prompt=shared)
-        if same_count_on_every_rank and self.max_over_ranks is not None:
+        if (same_count_on_every_rank or self.forward_is_collective) and self.max_over_ranks is not None:
             count = self.max_over_ranks(len(parts))
             parts = micro_batches.by_budget_in_exactly(units, count, padded=padded, shared_prompt=shared)
         return micro_batches.sample_ranges(parts)

@@ -1,7 +1,7 @@
 """How a chunk of a step's samples runs through the policy: plainly, or through ColossalAI's pipeline schedule.
 
 A step runner does a chunk's forward/backward (gradients of its share of the step loss) and its no-grad
-log-probs, and says where the step's metrics end up. The trainer picks one at build (:func:`step_runner_for`):
+log-probs, and says where the step's metrics end up. The training engine picks one at build (``engines/``):
 :class:`PlainSteps` (micro-batches in the configured sequence layout, ``training/micro_batch_forward.py``) or
 :class:`PipelineSteps` (1F1B pipeline micro-batches, padded); nothing else branches on pipeline parallelism,
 so the two paths keep the same interface. No loss math (the :class:`StepLoss` they are given), no optimizer
@@ -10,6 +10,7 @@ step, no data-parallel collectives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,18 +25,17 @@ if TYPE_CHECKING:
     from colossalai.booster import Booster
     from colossalai.booster.plugin import Plugin
 
-__all__ = ["PipelineSteps", "PlainSteps", "step_runner_for"]
+__all__ = ["PipelineSteps", "PlainSteps"]
 
 
 class PlainSteps:
     """Without pipeline parallelism: ``train.microbatch_size`` samples (or a token budget) per forward."""
 
-    def __init__(self, micro_forward: MicroBatchForward, booster: Booster, optimizer, dp_size: int):
-        """``dp_size``: data-parallel ranks (their gradients are averaged; the loss already divides by global
-        counts, so each backward scales it back up)."""
+    def __init__(self, micro_forward: MicroBatchForward, backward: Callable[[torch.Tensor], None], dp_size: int):
+        """``backward``: the engine's backward of a loss. ``dp_size``: data-parallel ranks (their gradients are
+        averaged; the loss already divides by global counts, so each backward scales it back up)."""
         self.micro_forward = micro_forward
-        self.booster = booster
-        self.optimizer = optimizer
+        self.backward = backward
         self.dp_size = dp_size
 
     def forward_backward(
@@ -58,7 +58,7 @@ class PlainSteps:
                 loss = step_loss(new_logprobs, entropy, chunk, start, stop, ref_logprobs, totals)
                 if router_balance is not None:  # a share of the routers' balance loss, a mean over the step
                     loss = loss + step_loss.router_balance_term(router_balance, part.num_samples, self.dp_size, totals)
-                self.booster.backward(loss * self.dp_size, self.optimizer)
+                self.backward(loss * self.dp_size)
             totals.add_tokens(forward.real_tokens, forward.computed_tokens)
             captured.append(new_logprobs.detach())
         return torch.cat(captured)
@@ -163,12 +163,3 @@ class PipelineSteps:
         message = [totals.values if dist.get_rank() == last_stage else None]
         dist.broadcast_object_list(message, src=last_stage, group=pp_group)
         return message[0]
-
-
-def step_runner_for(
-    plugin: Plugin, pp_size: int, micro_forward: MicroBatchForward, booster: Booster, optimizer, dp_size: int
-) -> PlainSteps | PipelineSteps:
-    """The runner for ``parallel.pp_size``: :class:`PipelineSteps` when it is above 1, else :class:`PlainSteps`."""
-    if pp_size > 1:
-        return PipelineSteps(micro_forward, booster, optimizer, dp_size, plugin)
-    return PlainSteps(micro_forward, booster, optimizer, dp_size)

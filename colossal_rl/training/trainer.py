@@ -1,6 +1,8 @@
-"""A consumer rank: trains the policy under a ColossalAI Booster, one round of optimizer steps per call.
+"""A consumer rank: trains the policy through a training engine, one round of optimizer steps per call.
 
-Phase-sized methods: ``setup``, ``train_epochs`` (the round's optimizer steps, with pi_old), ``train_step``
+The engine (``training/engines/``: ColossalAI's Booster plugins, or torch's FSDP2) owns the process group, the wrapped
+model and optimizer, clipping and stepping, full weights and checkpoint state; this class is the same for every engine
+and never asks which one runs. Phase-sized methods: ``setup``, ``train_epochs`` (the round's optimizer steps, with pi_old), ``train_step``
 (forward/backward over the step's samples, then one optimizer step), ``stage_state_dict`` (for the weight
 sync), ``full_state_dict`` (for the export). Plain class: no Ray here; the loss math lives in
 ``colossal_rl/algorithms`` and is reached through ``training/objective.py`` by ``training/step_loss.py``; a
@@ -39,13 +41,12 @@ from colossal_rl.training.objective import objective_for
 from colossal_rl.training.round_plan import epoch_steps
 from colossal_rl.training.step_advantages import step_advantages
 from colossal_rl.training.step_loss import StepCounts, StepLoss, StepTotals
-from colossal_rl.training.step_runners import PipelineSteps, PlainSteps, step_runner_for
+from colossal_rl.training.step_runners import PipelineSteps, PlainSteps
 from colossal_rl.vision.models import is_vision_language_config
 from colossal_rl.vision.rope import RopeTokens
 
 if TYPE_CHECKING:
-    from colossalai.booster import Booster
-    from colossalai.booster.plugin import Plugin
+    from colossal_rl.training.engines.base import TrainEngine
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +55,12 @@ ADAPTER_DIR = "adapter"
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-__all__ = ["Trainer", "training_device"]
+__all__ = ["Trainer"]
 
 
 def rope_tokens_of(model_config) -> RopeTokens | None:
     """A vision-language policy's image tokens (its batches with images get multimodal positions); None for text."""
     return RopeTokens.of(model_config) if is_vision_language_config(model_config) else None
-
-
-def training_device() -> torch.device:
-    """The device this rank trains on: ColossalAI's accelerator's current device (its GPU, or the CPU)."""
-    from colossalai.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().get_current_device())
 
 
 class Trainer:
@@ -102,12 +96,8 @@ class Trainer:
         self._rendezvous_store = None
         """Rank 0's process-group store, opened early by :meth:`host_rendezvous` (None: opened at setup)."""
         # Set by build(), over the started process group.
-        self.plugin: Plugin | None = None
-        self.booster: Booster | None = None
-        self.model = None
-        """The boosted policy."""
-        self.optimizer = None
-        self.lr_scheduler = None
+        self.engine: TrainEngine | None = None
+        """The training backend (``engines/``): process group, wrapped policy, optimizer, weights, state."""
         self.reference_model: torch.nn.Module | None = None
         """The frozen reference policy, when the KL term or the objective needs one."""
         self.dp_group = None
@@ -126,7 +116,7 @@ class Trainer:
     def host_rendezvous(self) -> int:
         """Rank 0: open the process group's store on ``master_port`` now (0: a free port, bound at once, so no
         other process can take it before the group starts); returns the port the other ranks connect to."""
-        from colossal_rl.training.booster_plugins import open_rendezvous_store
+        from colossal_rl.training.rendezvous import open_rendezvous_store
 
         self._rendezvous_store = open_rendezvous_store(
             self.master_port, self.world_size, timeout_s=self.config.run.timeout_s
@@ -137,45 +127,66 @@ class Trainer:
     def setup(self, master_port: int | None = None) -> None:
         """Start the consumers' process group (once per process) on rank 0's store at ``master_port`` (default:
         the constructor's), then :meth:`build`."""
+        from colossal_rl.training.engines import make_engine
+        from colossal_rl.training.rendezvous import connect_rendezvous_store
+
         if master_port is not None:
             self.master_port = master_port
-        with self.startup.record("colossalai import"):
-            from colossal_rl.training.booster_plugins import launch_colossalai
+        with self.startup.record(f"{self.config.parallel.trainer_backend} import"):
+            engine = make_engine(self.config)
         with self.startup.record("process group"):
-            launch_colossalai(
+            store = connect_rendezvous_store(
                 self.rank,
                 self.world_size,
                 self.master_addr,
                 self.master_port,
-                on_cpu=self.on_cpu,
                 store=self._rendezvous_store,
                 timeout_s=self.config.run.timeout_s,
             )
-        self.build()
+            engine.start_process_group(
+                self.rank, self.world_size, store, on_cpu=self.on_cpu, timeout_s=self.config.run.timeout_s
+            )
+        self.build(engine)
 
-    def build(self, plugin: Plugin | None = None) -> None:
-        """Plugin, boosted model, optimizer and reference model, over the already started process group.
+    def build(self, engine: TrainEngine | None = None) -> None:
+        """Engine-wrapped model, optimizer and reference model, over the already started process group.
 
-        ``plugin``: instead of ``make_plugin``'s choice for ``config.parallel`` (tests train one layout
-        under several plugins, in one process group).
+        ``engine``: instead of ``make_engine``'s for the config (tests train one layout under several ColossalAI
+        plugins in one process group).
         """
+        from colossal_rl.training.engines import make_engine
+        from colossal_rl.training.engines.base import PolicyTraits
+
+        self.engine = engine or make_engine(self.config)
         if self.device is None:
-            self.device = training_device()
+            self.device = self.engine.device()
         torch.manual_seed(self.config.run.seed)
         dtype = _DTYPES[self.config.parallel.precision]
         model = self._load_policy(dtype)
         model_config = model.config
-        self._boost(
-            model,
-            plugin,
-            vision_language=is_vision_language_config(model_config),
-            mixture_of_experts=bool(moe_blocks(model)),
+        traits = PolicyTraits(
+            vision_language=is_vision_language_config(model_config), mixture_of_experts=bool(moe_blocks(model))
         )
+        with self.startup.record("boost"):
+            self.engine.wrap(model, traits, self._make_optimizer, self._make_lr_scheduler)
         if self.config.algorithm.kl_coeff > 0 or self.objective.needs_reference:
             with self.startup.record("reference model"):
                 self.reference_model = self._build_reference_model(dtype)
         self._join_parallel_groups()
         self._build_forward(dtype, model_config)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The engine-wrapped policy."""
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.engine.lr_scheduler
 
     def _load_policy(self, dtype: torch.dtype) -> torch.nn.Module:
         """The policy on this rank's device, with LoRA adapters and a frozen vision tower if configured."""
@@ -185,7 +196,7 @@ class Trainer:
         with self.startup.record("model"):
             model = load_policy(
                 self.config.model.path,
-                dtype=dtype,
+                dtype=self.engine.load_dtype(dtype),
                 device=self.device,
                 attn_implementation=train.attn_implementation,
                 gradient_checkpointing=train.gradient_checkpointing,
@@ -201,45 +212,25 @@ class Trainer:
             logger.info("froze the vision tower's %d parameter tensors", freeze_vision_tower(model))
         return model
 
-    def _boost(
-        self, model: torch.nn.Module, plugin: Plugin | None, *, vision_language: bool, mixture_of_experts: bool
-    ) -> None:
-        """The plugin (``plugin`` or ``make_plugin``'s), the optimizer over the trainable parameters, the
-        learning-rate schedule, and the boosted model."""
-        from colossalai.booster import Booster
-
-        from colossal_rl.training.booster_plugins import make_plugin
-
+    def _make_optimizer(self, trainable: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         train = self.config.train
-        self.plugin = plugin or make_plugin(
-            self.config.parallel,
-            microbatch_size=train.microbatch_size,
-            max_norm=train.max_norm,
-            on_cpu=self.on_cpu,
-            vision_language=vision_language,
-            mixture_of_experts=mixture_of_experts,
-        )
-        self.booster = Booster(plugin=self.plugin)
-        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
-        lr_scheduler = make_lr_scheduler(
+        return torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
+
+    def _make_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        train = self.config.train
+        return make_lr_scheduler(
             optimizer,
             train.lr_schedule,
             warmup_steps=train.warmup_steps,
             min_lr_ratio=train.min_lr_ratio,
             horizon=self.schedule_horizon,
         )
-        with self.startup.record("boost"):
-            self.model, self.optimizer, _, _, self.lr_scheduler = self.booster.boost(
-                model, optimizer, lr_scheduler=lr_scheduler
-            )
 
     def _build_reference_model(self, dtype: torch.dtype) -> torch.nn.Module:
-        """The frozen reference policy on this rank's device in the training precision; sharded like the
-        policy (through the booster) under tensor or pipeline parallelism, as ColossalChat does."""
+        """The frozen reference policy on this rank's device in the training precision, placed as the engine
+        needs it."""
         from colossal_rl.training.model_loading import load_policy
 
-        parallel = self.config.parallel
         reference = load_policy(
             self.config.model.path,
             dtype=dtype,
@@ -248,19 +239,15 @@ class Trainer:
             trust_remote_code=self.config.model.trust_remote_code,
         )
         reference.eval()
-        if parallel.tp_size > 1 or parallel.pp_size > 1:
-            reference, *_ = self.booster.boost(reference)
-        return reference.requires_grad_(False)
+        return self.engine.wrap_reference(reference).requires_grad_(False)  # wrapped while trainable, as boost needs
 
     def _join_parallel_groups(self) -> None:
-        """This rank's data-parallel group (the plugin's, else the whole world) and tensor-parallel group."""
-        from colossal_rl.training.booster_plugins import tensor_parallel_group
-
-        plugin_group = getattr(self.plugin, "dp_group", None)
-        self.dp_group = plugin_group if plugin_group is not None else dist.group.WORLD
+        """This rank's data-parallel group and the tensor-parallel group its logits are sharded over (if any)."""
+        groups = self.engine.groups()
+        self.dp_group = groups.dp_group
         self.dp_size = dist.get_world_size(self.dp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
-        self.tp_group = tensor_parallel_group(self.plugin)
+        self.tp_group = groups.vocab_sharded_over
 
     def _build_forward(self, dtype: torch.dtype, model_config) -> None:
         """The tokenizer's padding id, the micro-batch forward and the step runner (plain or pipelined)."""
@@ -280,13 +267,13 @@ class Trainer:
             vocab_size=self.vocab_size,
             max_over_ranks=self._global_max if self.dp_size > 1 else None,
             rope_tokens=rope_tokens_of(model_config),
+            head_weight_outside_forward=self.engine.head_weight_outside_forward,
+            forward_is_collective=self.engine.forward_is_collective,
         )
         if self.rank == 0:  # what ``auto`` resolved to depends on the attention and the model: say it once
             by_shape = " (packed for micro-batches where it computes less)" if self.micro_forward.by_shape else ""
             logger.info("training forward: %s sequence layout%s", self.micro_forward.layout, by_shape)
-        self.step_runner = step_runner_for(
-            self.plugin, self.config.parallel.pp_size, self.micro_forward, self.booster, self.optimizer, self.dp_size
-        )
+        self.step_runner = self.engine.step_runner(self.micro_forward, self.dp_size)
 
     # ------------------------------------------------------------------ training orders
     def train_epochs(self, steps: list[RolloutBatch], round_index: int) -> list[tuple[dict[str, float], RolloutBatch]]:
@@ -435,18 +422,14 @@ class Trainer:
         self.schedule_horizon.total_steps = total_steps
 
     def _optimizer_step(self) -> float:
-        from colossal_rl.training.booster_plugins import clip_and_step
-
-        grad_norm = clip_and_step(self.model, self.optimizer, self.plugin, self.config.train.max_norm)
+        grad_norm = self.engine.optimizer_step(self.config.train.max_norm)
         self.lr_scheduler.step()
         return float("nan") if grad_norm is None else float(grad_norm)
 
     # ------------------------------------------------------------------ weights
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every parameter at full shape on global rank 0 (None elsewhere): for the HF export. Collective."""
-        from colossal_rl.training.full_state_dict import gather_full_state_dict
-
-        state = gather_full_state_dict(self.model, self.plugin, self.optimizer)
+        state = self.engine.full_state_dict()
         if state is not None and self.config.train.lora_rank > 0:
             from colossal_rl.lora_weights import lora_scaling, merged_state_dict
 
@@ -456,16 +439,12 @@ class Trainer:
     @property
     def sync_stage(self) -> int | None:
         """The pipeline stage whose weights this rank sends to the producers; None if it sends none."""
-        from colossal_rl.training.full_state_dict import sync_stage
-
-        return sync_stage(self.plugin)
+        return self.engine.sync_stage
 
     def stage_state_dict(self) -> dict[str, torch.Tensor] | None:
         """This rank's share of the weight sync: its pipeline stage's weights at full shape on the stage's
         sender (``sync_stage`` is not None), None elsewhere. Collective: every rank calls it."""
-        from colossal_rl.training.full_state_dict import gather_stage_state_dict
-
-        state = gather_stage_state_dict(self.model, self.plugin, self.optimizer)
+        state = self.engine.stage_state_dict()
         if state is not None and self.config.train.freeze_vision_tower:
             from colossal_rl.vision.models import without_vision_tower
 
@@ -476,7 +455,7 @@ class Trainer:
 
             state = adapter_state_dict(state)  # only the adapters travel; producers merge them
             if self.sync_report is None:
-                self.sync_report = sync_fraction_report(state, self.model.unwrap())
+                self.sync_report = sync_fraction_report(state, self.engine.unwrapped())
                 logger.info(
                     "LoRA: the weight sync carries %d adapter tensors, %d bytes = %.2f%% of the full model's %d bytes",
                     len(state),
@@ -493,15 +472,7 @@ class Trainer:
         from colossal_rl.run_checkpoints.trainer_state import save_trainer_state
 
         directory = Path(directory)
-        save_trainer_state(
-            self.booster,
-            self.model,
-            self.optimizer,
-            self.lr_scheduler,
-            directory / TRAINER_DIR,
-            rank=self.rank,
-            step=self.step,
-        )
+        save_trainer_state(self.engine, directory / TRAINER_DIR, rank=self.rank, step=self.step)
         self.export_model(directory / EXPORT_DIR)
 
     def export_model(self, directory: Path) -> None:
@@ -532,7 +503,5 @@ class Trainer:
         from colossal_rl.run_checkpoints.on_disk import TRAINER_DIR
         from colossal_rl.run_checkpoints.trainer_state import load_trainer_state
 
-        self.step = load_trainer_state(
-            self.booster, self.model, self.optimizer, self.lr_scheduler, Path(directory) / TRAINER_DIR, rank=self.rank
-        )
+        self.step = load_trainer_state(self.engine, Path(directory) / TRAINER_DIR, rank=self.rank)
         self.policy_version = policy_version

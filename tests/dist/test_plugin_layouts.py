@@ -216,6 +216,7 @@ def _consumer(rank: int, port: int, sync_ports: list[list[int]], out_dir: Path) 
     from colossal_rl.comm.weight_sync.bucketed import host_as_sender
     from colossal_rl.comm.weight_sync.stages import stage_group_name
     from colossal_rl.training.booster_plugins import launch_colossalai, make_hybrid_plugin
+    from colossal_rl.training.engines.colossalai_engine import ColossalAIEngine
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(rank, WORLD_SIZE, HOST, port, on_cpu=True)
@@ -227,9 +228,9 @@ def _consumer(rank: int, port: int, sync_ports: list[list[int]], out_dir: Path) 
                 layout.parallel, microbatch_size=config.train.microbatch_size, max_norm=1.0, on_cpu=True
             )
         trainer = Trainer(rank, WORLD_SIZE, config, HOST, port)
-        trainer.build(plugin=plugin)
+        trainer.build(ColossalAIEngine(config, plugin=plugin))
         result = _train(trainer, make_batches(trainer.vocab_size, trainer.pad_token_id))
-        result["plugin"] = type(trainer.plugin).__name__
+        result["plugin"] = type(trainer.engine.plugin).__name__
         result["full"] = _clone(trainer.full_state_dict())  # collectives: every rank calls both
         state, stage = trainer.stage_state_dict(), trainer.sync_stage
         result["sync_stage"] = stage
@@ -254,6 +255,7 @@ def _reference_and_producer(port: int, sync_ports: list[list[int]], out_dir: Pat
     from colossal_rl.comm.weight_sync.bucketed import join_as_receiver, receive_stages
     from colossal_rl.comm.weight_sync.stages import stage_group_name
     from colossal_rl.training.booster_plugins import launch_colossalai
+    from colossal_rl.training.engines.colossalai_engine import ColossalAIEngine
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(0, 1, HOST, port, on_cpu=True)
@@ -266,7 +268,9 @@ def _reference_and_producer(port: int, sync_ports: list[list[int]], out_dir: Pat
         if precision == "fp32":  # the untouched model, before any step
             first_entropy = _entropy_by_hand(trainer.model, batches[0], trainer.config.generation.temperature)
         result = _train(trainer, batches)
-        result.update(initial=initial, final=_clone(trainer.full_state_dict()), plugin=type(trainer.plugin).__name__)
+        result.update(
+            initial=initial, final=_clone(trainer.full_state_dict()), plugin=type(trainer.engine.plugin).__name__
+        )
         result["first_entropy_by_hand"] = first_entropy
         torch.save(result, out_dir / f"reference.{precision}.pt")
     for layout, stage_ports in zip(LAYOUTS, sync_ports, strict=True):

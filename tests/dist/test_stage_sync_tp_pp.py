@@ -112,7 +112,7 @@ def _reference(port: int, out_dir: Path) -> None:
     initial = {name: t.detach().clone() for name, t in trainer.full_state_dict().items()}
     metrics = trainer.train_step(_batch(trainer.vocab_size, trainer.pad_token_id))
     final = {name: t.detach().clone() for name, t in trainer.full_state_dict().items()}
-    report = {"plugin": type(trainer.plugin).__name__, "loss": metrics["train/loss"], "initial": initial}
+    report = {"plugin": type(trainer.engine.plugin).__name__, "loss": metrics["train/loss"], "initial": initial}
     torch.save(report | {"final": final}, out_dir / "reference.pt")
 
 

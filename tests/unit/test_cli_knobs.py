@@ -43,6 +43,7 @@ FLAG_PROBES = {
     "pipeline_parallel_size": (["-pp", "2", "-t", "2"], "parallel.pp_size"),
     "zero_stage": (["-zero", "1"], "parallel.zero_stage"),
     "precision": (["--precision", "bf16"], "parallel.precision"),
+    "trainer_backend": (["--trainer-backend", "fsdp2"], "parallel.trainer_backend"),
     "ray_dir": (["--ray-dir", "/tmp/ray_x"], "run.ray_dir"),
     "master_address": (["--master-address", "10.0.0.1"], "run.master_address"),
     "master_port": (["--master-port", "31000"], "run.master_port"),

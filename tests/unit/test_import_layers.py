@@ -4,10 +4,10 @@ The architecture, bottom to top; a unit is a top-level module or package of ``co
 installed as ``colossal_rl.reward``). A unit imports only units of lower layers: never one above, and never
 another unit of its own layer (units of one layer are independent of each other):
 
-  1. leaves            lazy_exports, third_party_noise, profiling, metrics, nvidia_driver, run_outputs, prompts,
-                       local_ray, ray_address, env_builds: import nothing of ours
+  1. leaves            lazy_exports, third_party_noise, profiling, metrics, run_outputs, prompts, local_ray,
+                       ray_address, env_builds, node_probes, model_size: import nothing of ours
   2. foundations       algorithms (pure tensor math), vision, moe (routing math, MoE blocks), schedule (pure state
-                       machines), reward, startup
+                       machines), reward, startup, nvidia_driver
   3. config            the frozen run config
   4.                   config_fields, config_resolve
   5.                   presets
@@ -43,9 +43,9 @@ PACKAGE = "colossal_rl"
 SOURCE_ROOTS = {PACKAGE: REPO / "colossal_rl", f"{PACKAGE}.reward": REPO / "reward"}
 
 LAYERS = (
-    "lazy_exports third_party_noise profiling metrics nvidia_driver run_outputs prompts local_ray ray_address "
-    "env_builds",
-    "algorithms vision moe schedule reward startup",
+    "lazy_exports third_party_noise profiling metrics run_outputs prompts local_ray ray_address env_builds "
+    "node_probes model_size",
+    "algorithms vision moe schedule reward startup nvidia_driver",
     "config",
     "config_fields config_resolve",
     "presets",
