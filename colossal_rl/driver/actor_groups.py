@@ -132,16 +132,21 @@ def producer_concurrency(config) -> int:
     return chunks_in_flight(config) + 4
 
 
-def actor_environments(backend: str, *, on_gpu: bool) -> tuple[dict, dict]:
+def actor_environments(backend: str, *, on_gpu: bool, trainer_backend: str = "colossalai") -> tuple[dict, dict]:
     """Extra Ray options of the trainers and of the producers: the environment each runs in.
 
-    ``-b vllm`` producers run in the producers' environment (its interpreter). Everything else runs in the trainers'
+    ``-b vllm`` producers run in the producers' environment (its interpreter). With ``--trainer-backend fsdp2`` every
+    actor does (trainers, transformers-backend producers, reward actors): it is the environment whose transformers
+    loads the model, and one torch with one NCCL serves every collective. Otherwise the rest runs in the trainers'
     environment, which on GPU machines preloads the producers' NCCL release (``trainer_nccl.py``) — the trainers, and
     transformers-backend producers too, since they share the trainers' weight-sync groups. vLLM producers never get
     that preload: it is the CUDA 12 build, and their torch is CUDA 13 with the same release of its own."""
-    from colossal_rl.producer_env import producer_runtime_env
+    from colossal_rl.producer_env import producer_runtime_env, producers_environment
     from colossal_rl.trainer_nccl import trainer_runtime_env
 
+    if trainer_backend == "fsdp2":
+        everywhere = producers_environment()
+        return everywhere, everywhere
     trainer_env = trainer_runtime_env(on_gpu)
     producer_env = producer_runtime_env(backend)
     return trainer_env, (producer_env if backend == "vllm" else trainer_env)
@@ -170,11 +175,17 @@ def spawn_actors(config) -> tuple[Any, ProducerGroup, TrainerGroup, list]:
         num_reward_actors=config.reward.num_reward_actors,
     )
     # vLLM producers run in their own Python environment (colossal_rl/producer_env.py); a restart reuses it.
-    trainer_env, producer_env = actor_environments(config.generation.backend, on_gpu=trainers_use_gpus(ray_nodes))
-    if producer_env and config.run.master_address:  # on a cluster: present on the producers' nodes too?
-        check_interpreter_on_nodes(
-            producer_env["runtime_env"]["py_executable"], placement.producer_nodes, config.run.timeout_s
-        )
+    trainer_env, producer_env = actor_environments(
+        config.generation.backend,
+        on_gpu=trainers_use_gpus(ray_nodes),
+        trainer_backend=config.parallel.trainer_backend,
+    )
+    if producer_env.get("runtime_env", {}).get("py_executable") and config.run.master_address:  # on every node?
+        nodes = placement.producer_nodes
+        if trainer_env is producer_env:  # fsdp2: the trainers' nodes need that interpreter too
+            nodes = list(dict.fromkeys(nodes + [(node["NodeID"], node["NodeManagerAddress"]) for node in ray_nodes
+                                                if node.get("Alive")]))  # fmt: skip
+        check_interpreter_on_nodes(producer_env["runtime_env"]["py_executable"], nodes, config.run.timeout_s)
     trainers = TrainerGroup(
         TrainerActor.options(**placement.trainers[rank], **trainer_env).remote(
             rank, par.num_trainers, config, placement.trainer_master_address, master_port, trainer_threads

@@ -97,6 +97,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     """Train with ``config`` (resolved and validated here, with its inputs) and return what happened; Ray is
     started if needed."""
     from colossal_rl.config_resolve import resolve
+    from colossal_rl.driver.trainer_backend import resolve_trainer_backend
     from colossal_rl.input_checks import check_inputs
     from colossal_rl.producer_env import ensure_producer_env
 
@@ -106,6 +107,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
     with startup.record("inputs"):
         config = resolve(config).validate()  # the derived fields: as the command line makes them
         rows_in_source = check_inputs(config).train_rows
+        config = resolve_trainer_backend(config)  # may build the producers' environment (first use: minutes)
         plan = plan_schedule(config, rows_in_source)  # an upper bound, checked before Ray starts
         resume_from, config = checkpoint_to_resume(config)  # --precision auto: the checkpoint's
         if config.run.eval_save_dir:
@@ -113,7 +115,7 @@ def run_training(config: RLConfig, *, use_wandb: bool = True) -> RunSummary:
                 Path(config.run.eval_save_dir), overwrite=config.run.overwrite_eval_dir or resume_from is not None
             )
         run_dir = make_run_dir(config)
-    if config.generation.backend == "vllm":
+    if config.generation.backend == "vllm" or config.parallel.trainer_backend == "fsdp2":
         with startup.record("producer env"):  # built once (minutes), found again in milliseconds
             ensure_producer_env()
     started_ray = not ray.is_initialized()

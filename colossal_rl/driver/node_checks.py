@@ -30,6 +30,9 @@ def check_gpu_nodes(config: RLConfig, ray_nodes: Iterable[Mapping[str, Any]], ru
         return
     placement = placement_for(config, ray_nodes)
     timeout_s = config.run.timeout_s
+    if config.parallel.trainer_backend == "fsdp2":  # every actor in the producers' environment: one torch, one NCCL
+        check_driver_on_nodes(nodes_of(placement.producers + placement.trainers), timeout_s, run)
+        return
     if config.generation.backend == "vllm":
         check_driver_on_nodes(nodes_of(placement.producers), timeout_s, run)
     # transformers-backend producers run in the trainers' environment and join the trainers' weight-sync groups

@@ -63,10 +63,10 @@ def test_building_gpu_producers_on_an_old_driver_stops_before_any_build_step(tmp
     monkeypatch.setattr(nvidia_driver, "read_driver_version", lambda: "550.54.15")
     monkeypatch.setattr(producer_env, "run_step", lambda *a: pytest.fail("built on a driver that cannot run it"))
     with pytest.raises(ProducerEnvError, match="NVIDIA driver 550.54.15 is too old"):
-        producer_env.ensure_producer_env("gpu")
+        producer_env.main(["build", "--kind", "gpu"])
     monkeypatch.setenv("COLOSSAL_RL_PRODUCER_PYTHON", str(Path(__file__)))  # a ready environment: still checked
     with pytest.raises(ProducerEnvError, match="too old"):
-        producer_env.ensure_producer_env("gpu")
+        producer_env.main(["build", "--kind", "gpu"])
 
 
 def test_cpu_producers_never_read_the_driver(tmp_path, monkeypatch):

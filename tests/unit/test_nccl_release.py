@@ -169,3 +169,13 @@ def test_a_member_keeps_the_reports_it_read_when_the_host_left_before_the_read_b
     with pytest.raises(dist.DistNetworkError):  # the host itself losing its own store is an error, never hidden
         exchange_releases(StoreWhoseHostLeavesAfterTheReads({"nccl_release/1": '["m1", "2.29.7"]'}), rank=0,
                           world_size=2, who="host", release="2.21.5", timeout_s=5)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_fsdp2_runs_every_actor_in_the_producers_environment_with_its_own_nccl(preload_available, backend):
+    """One torch, one NCCL by construction: trainers and producers of either backend share the producers' interpreter,
+    and nothing preloads the trainers' NCCL build into it."""
+    trainers, producers = actor_groups.actor_environments(backend, on_gpu=True, trainer_backend="fsdp2")
+    assert trainers == producers
+    assert trainers["runtime_env"]["py_executable"] == "/envs/gpu/bin/python"
+    assert "LD_PRELOAD" not in trainers["runtime_env"]["env_vars"]
