@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from colossal_rl.hf_compat import dtype_kwargs
+
 
 class JudgePromptTooLong(ValueError):
     """The rendered judge prompt and its verdict do not fit in the judge model's positions."""
@@ -41,7 +43,7 @@ class LocalModelJudge:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype {dtype!r} is not a torch dtype")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=getattr(torch, dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, **dtype_kwargs(getattr(torch, dtype)))
         self.model = self.model.to(device).eval()
         self.max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from colossal_rl.hf_compat import dtype_kwargs
+
 from .records import OK, RewardRecord, infra_error
 from .user_functions import RewardConfigError
 
@@ -115,7 +117,7 @@ def load_reward_model(model_path: str, config: RewardModelConfig):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_path, torch_dtype=getattr(torch, config.dtype), **kwargs
+            model_path, **dtype_kwargs(getattr(torch, config.dtype)), **kwargs
         )
     except (OSError, ValueError) as error:
         where = "local directory" if Path(model_path).exists() else "path (not a local directory; tried the hub)"

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoProcessor
 
 from colossal_rl.batch import pad_to
+from colossal_rl.hf_compat import dtype_kwargs
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.batcher import DecodedGroup
 from colossal_rl.rollout.continuous_batching import ContinuousBatcher
@@ -112,7 +113,7 @@ class TransformersBackend:
         else:
             self.tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
         self.model = auto_model_class(config).from_pretrained(
-            model_path, torch_dtype=dtype, trust_remote_code=trust_remote_code
+            model_path, **dtype_kwargs(dtype), trust_remote_code=trust_remote_code
         )
         self.model.to(self.device).eval()
         self.route_dtype = None

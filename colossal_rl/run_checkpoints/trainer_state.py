@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from colossal_rl.hf_compat import dtype_kwargs
+
 logger = logging.getLogger(__name__)
 
 SCHEDULER_FILE = "lr_scheduler.pt"
@@ -84,7 +86,7 @@ def export_hf(
     # Building the model draws throw-away initial weights from the global RNG. The trainer's random stream must
     # not move: a run resumed from this checkpoint restores the stream saved before the export (dropout masks).
     with torch.random.fork_rng(devices=[]):
-        model = auto_class.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+        model = auto_class.from_config(config, **dtype_kwargs(dtype), trust_remote_code=trust_remote_code)
     model.load_state_dict(state_dict, strict=True)
     if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
         type(model).register_for_auto_class("AutoModelForCausalLM")  # save_pretrained then copies its code

@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from colossal_rl.hf_compat import dtype_kwargs
+
 AttentionImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 
 
@@ -36,7 +38,7 @@ def load_policy(
     auto_class = auto_model_class(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
     model = auto_class.from_pretrained(
         path,
-        torch_dtype=dtype,
+        **dtype_kwargs(dtype),
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
         low_cpu_mem_usage=True,

@@ -5,7 +5,7 @@ installed as ``colossal_rl.reward``). A unit imports only units of lower layers:
 another unit of its own layer (units of one layer are independent of each other):
 
   1. leaves            lazy_exports, third_party_noise, profiling, metrics, run_outputs, prompts, local_ray,
-                       ray_address, env_builds, node_probes, model_size: import nothing of ours
+                       ray_address, env_builds, node_probes, model_size, hf_compat: import nothing of ours
   2. foundations       algorithms (pure tensor math), vision, moe (routing math, MoE blocks), schedule (pure state
                        machines), reward, startup, nvidia_driver
   3. config            the frozen run config
@@ -44,7 +44,7 @@ SOURCE_ROOTS = {PACKAGE: REPO / "colossal_rl", f"{PACKAGE}.reward": REPO / "rewa
 
 LAYERS = (
     "lazy_exports third_party_noise profiling metrics run_outputs prompts local_ray ray_address env_builds "
-    "node_probes model_size",
+    "node_probes model_size hf_compat",
     "algorithms vision moe schedule reward startup nvidia_driver",
     "config",
     "config_fields config_resolve",
