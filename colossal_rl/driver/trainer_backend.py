@@ -113,6 +113,12 @@ def resolve_trainer_backend(config: RLConfig, *, ask_producers=None) -> RLConfig
 
 
 def _with_backend(config: RLConfig, backend: str) -> RLConfig:
+    if backend == "fsdp2" and config.model.routing_replay:
+        raise InputError(
+            "--routing-replay: replay hooks the Qwen3-MoE blocks of transformers 4.51.3 (the colossalai trainers'); "
+            "fsdp2 trainers and their producers run today's transformers, whose MoE blocks differ: drop "
+            "--routing-replay (an MoE policy trains on fsdp2 without it) or use --trainer-backend colossalai"
+        )
     parallel = dataclasses.replace(config.parallel, trainer_backend=backend)
     parallel.validate()  # fsdp2's refusals (-pp, -zero, fp16) name the flag
     return dataclasses.replace(config, parallel=parallel)

@@ -43,7 +43,7 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def test_only_adapters_train(trained):
-    model = trained.model.unwrap()
+    model = trained.engine.unwrapped()
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(is_adapter_key(name) for name in trainable)
     optimized = [p for group in trained.optimizer.param_groups for p in group["params"]]
@@ -64,7 +64,7 @@ MERGE_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 
 
 def test_producer_merge_and_the_export_reproduce_the_trained_policy(trained):
-    trained_logits = _logits(trained.model.unwrap().eval())
+    trained_logits = _logits(trained.engine.unwrapped().eval())
     base = _base_weights()
     adapters = trained.stage_state_dict()
     merged = merge_adapters(base, adapters, scaling=LORA["lora_alpha"] / LORA["lora_rank"])  # what producers do
@@ -92,7 +92,7 @@ def test_adapter_dir_reloads_with_peft(trained, tmp_path):
     reloaded = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(RLConfig().model.path), tmp_path / ADAPTER_DIR
     )
-    assert_close(_logits(reloaded.eval()), _logits(trained.model.unwrap().eval()), atol=1e-5, rtol=1e-5)
+    assert_close(_logits(reloaded.eval()), _logits(trained.engine.unwrapped().eval()), atol=1e-5, rtol=1e-5)
     assert_close(_logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval()), _logits(reloaded), **MERGE_TOLERANCE)
 
 

@@ -79,7 +79,7 @@ def test_attention_implementations_agree():
 
 def test_gradient_checkpointing_is_on_in_the_trainer():
     trainer = make_trainer(make_config(train={"gradient_checkpointing": True}))
-    assert trainer.model.unwrap().is_gradient_checkpointing
+    assert trainer.engine.unwrapped().is_gradient_checkpointing
 
 
 def test_a_training_step_is_the_same_with_every_feature_on():

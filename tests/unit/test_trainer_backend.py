@@ -88,3 +88,10 @@ def test_auto_choosing_fsdp2_still_refuses_what_fsdp2_cannot_do_naming_the_flag(
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         trainer_backend.resolve_trainer_backend(config_for(model_dir(tmp_path, "olmo3"), **parallel),
                                                 ask_producers=ask_producers)  # fmt: skip
+
+
+def test_routing_replay_is_refused_on_fsdp2_in_one_line(tmp_path):
+    path = model_dir(tmp_path, "qwen3_moe", num_experts=8)
+    config = dataclasses.replace(config_for(path, "fsdp2"), model=ModelConfig(path=path, routing_replay=True))
+    with pytest.raises(InputError, match=r"--routing-replay: .*fsdp2"):
+        trainer_backend.resolve_trainer_backend(config, ask_producers=never_ask)

@@ -256,9 +256,9 @@ def test_a_frozen_tower_gets_no_gradient_and_is_not_synced(vlm_dir, backend, ima
     config = make_config(train={"freeze_vision_tower": freeze, "microbatch_size": 8, "learning_rate": 1e-2})
     config = replace(config, model=replace(config.model, path=str(vlm_dir)))
     trainer = make_trainer(config, device="cpu")
-    before = {name: p.detach().clone() for name, p in trainer.model.unwrap().named_parameters()}
+    before = {name: p.detach().clone() for name, p in trainer.engine.unwrapped().named_parameters()}
     trainer.train_step(batch)
-    after = dict(trainer.model.unwrap().named_parameters())
+    after = dict(trainer.engine.unwrapped().named_parameters())
     tower = [name for name in before if name.startswith("visual.")]
     language = [name for name in before if name.startswith("model.layers.")]
     assert tower and language

@@ -94,5 +94,5 @@ def test_a_vision_model_in_bf16_without_zero_boosts_and_trains(tmp_path):
     )
     trainer = make_trainer(config, device="cpu")
     assert isinstance(trainer.engine.plugin, LowLevelZeroPlugin) and trainer.engine.plugin.stage == 1
-    assert next(trainer.model.unwrap().parameters()).dtype == torch.bfloat16
+    assert next(trainer.engine.unwrapped().parameters()).dtype == torch.bfloat16
     assert trainer.stage_state_dict()  # the weight sync's gather works on it

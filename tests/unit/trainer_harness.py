@@ -1,7 +1,9 @@
 """A real ``Trainer`` in this test process: world size 1 over gloo, the embedded tiny model, hand-made rollouts.
 
 Shared by the trainer tests (device discipline, pi_old, memory features). The process group is started
-once per process and kept (ColossalAI's launch is once per process).
+once per process and kept (ColossalAI's launch is once per process). The engine is ``--trainer-backend auto``'s in
+this process: ColossalAI in the trainers' environment, FSDP2 in the producers' (where
+``tests/engines/test_trainer_under_fsdp2.py`` runs these same tests).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ def _free_port() -> int:
 
 
 def ensure_process_group() -> None:
-    """ColossalAI's CPU launch (gloo, its CPU patches) with world size 1, once per process."""
+    """The engine's CPU process group (ColossalAI's: gloo and its CPU patches) with world size 1, once per process."""
     if dist.is_initialized():
         return
-    from colossal_rl.training.booster_plugins import launch_colossalai
+    from colossal_rl.training.engines import make_engine
+    from colossal_rl.training.rendezvous import open_rendezvous_store
 
-    launch_colossalai(0, 1, "127.0.0.1", _free_port(), on_cpu=True)
+    store = open_rendezvous_store(_free_port(), 1, timeout_s=120)
+    make_engine(RLConfig()).start_process_group(0, 1, store, on_cpu=True, timeout_s=120)
 
 
 def make_config(
