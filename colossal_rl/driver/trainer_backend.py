@@ -87,7 +87,7 @@ def resolve_trainer_backend(config: RLConfig, *, ask_producers=None) -> RLConfig
             why = "brings its own code" if own_code else f"is known to transformers {trainers_version}"
             logger.info("trainer backend colossalai (--trainer-backend auto): model type %s %s", model_type, why)
             chosen = "colossalai"
-        return _with_backend(config, chosen)
+        return _with_backend(config, chosen, model_json)
     producers_version, producers_types = (ask_producers or (lambda: producers_model_types(producers_python())))()
     if model_type not in producers_types:
         raise InputError(
@@ -109,10 +109,16 @@ def resolve_trainer_backend(config: RLConfig, *, ask_producers=None) -> RLConfig
             trainers_version,
             producers_version,
         )
-    return _with_backend(config, "fsdp2")
+    return _with_backend(config, "fsdp2", model_json)
 
 
-def _with_backend(config: RLConfig, backend: str) -> RLConfig:
+def _with_backend(config: RLConfig, backend: str, model_json: dict) -> RLConfig:
+    if backend == "fsdp2" and model_json.get("vision_config") is not None:
+        raise InputError(
+            f"--trainer-backend fsdp2: {config.model.path} is a vision-language model, whose image features the "
+            "trainer embeds outside the model's forward, where FSDP2's parameters are still sharded: train it on "
+            "--trainer-backend colossalai"
+        )
     if backend == "fsdp2" and config.model.routing_replay:
         raise InputError(
             "--routing-replay: replay hooks the Qwen3-MoE blocks of transformers 4.51.3 (the colossalai trainers'); "

@@ -258,7 +258,7 @@ class Trainer:
                 self.config.model.path, trust_remote_code=self.config.model.trust_remote_code
             )
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.vocab_size = model_config.vocab_size
+        self.vocab_size = model_config.get_text_config().vocab_size  # a VLM keeps it in text_config (transformers 5)
         self.micro_forward = MicroBatchForward(
             self.config,
             dtype=dtype,

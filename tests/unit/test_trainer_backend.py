@@ -95,3 +95,9 @@ def test_routing_replay_is_refused_on_fsdp2_in_one_line(tmp_path):
     config = dataclasses.replace(config_for(path, "fsdp2"), model=ModelConfig(path=path, routing_replay=True))
     with pytest.raises(InputError, match=r"--routing-replay: .*fsdp2"):
         trainer_backend.resolve_trainer_backend(config, ask_producers=never_ask)
+
+
+def test_a_vision_language_model_is_refused_on_fsdp2_in_one_line(tmp_path):
+    config = config_for(model_dir(tmp_path, "qwen2_5_vl", vision_config={"depth": 2}), "fsdp2")
+    with pytest.raises(InputError, match=r"--trainer-backend fsdp2: .* vision-language model"):
+        trainer_backend.resolve_trainer_backend(config, ask_producers=never_ask)
