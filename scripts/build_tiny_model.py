@@ -213,13 +213,18 @@ def prefix_shared_loss(model: Qwen2ForCausalLM, prefix: list[int], suffixes, num
 
 def loss_after_shared_prefix(model, prefix: list[int], input_ids, suffix_mask, labels) -> torch.Tensor:
     """Loss of the suffix rows ``input_ids`` [B, S] (``labels`` -100 where untrained) after ``prefix``, whose keys
-    and values are computed once, with gradients, and broadcast over the batch."""
-    prefix_cache = model.model(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
+    and values are computed once, with gradients, and broadcast over the batch.
+
+    Runs under transformers 4.51 and 5 alike: the prefix pass gets a cache of plain layers (transformers 5 would
+    otherwise keep only a sliding-window layer's last tokens), and the expanded cache is built from (key, value)
+    pairs, which both versions' ``DynamicCache`` accept (5 has no legacy-cache converters)."""
+    prefix_cache = model.model(
+        input_ids=torch.tensor([prefix]), past_key_values=DynamicCache(), use_cache=True
+    ).past_key_values
     batch_size = input_ids.shape[0]
-    cache = DynamicCache.from_legacy_cache(
+    cache = DynamicCache(
         tuple(
-            (k.expand(batch_size, -1, -1, -1), v.expand(batch_size, -1, -1, -1))
-            for k, v in prefix_cache.to_legacy_cache()
+            (layer[0].expand(batch_size, -1, -1, -1), layer[1].expand(batch_size, -1, -1, -1)) for layer in prefix_cache
         )
     )
     attention_mask = torch.cat([torch.ones(batch_size, len(prefix), dtype=torch.long), suffix_mask], dim=1)
@@ -344,11 +349,13 @@ def evaluate(model, tokenizer, rows: list[dict], num_samples: int = 8, batch_siz
     }
 
 
-def start_build(doc: str, train_spec: TrainSpec, task_spec: type, seed: int) -> argparse.Namespace:
-    """A build script's flags (defaults from its ``TrainSpec`` values and ``TaskSpec``), logging, and the
-    reproducibility settings every build runs under: one thread, deterministic algorithms, ``seed``. Shared with
-    build_tiny_vlm."""
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+def start_build(
+    doc: str, train_spec: TrainSpec, task_spec: type, seed: int, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    """A build script's flags (defaults from its ``TrainSpec`` values and ``TaskSpec``; added to ``parser``, which
+    may hold the script's own), logging, and the reproducibility settings every build runs under: one thread,
+    deterministic algorithms, ``seed``. Shared with build_tiny_vlm, build_tiny_moe_model and build_tiny_2026_models."""
+    parser = parser or argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--output-root", type=Path, default=ASSETS_DIR)
     parser.add_argument("--clean-steps", type=int, default=train_spec.clean_steps)
     parser.add_argument("--noisy-steps", type=int, default=train_spec.noisy_steps)

@@ -227,6 +227,14 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in handle]
 
 
+def check_embedded_rows(data_dir: Path, train_rows: list[dict], eval_rows: list[dict]) -> None:
+    """Refuse to build on rows other than the embedded task's files (where they exist): the models are pre-trained
+    on the same questions and judged on the same eval split as the embedded dense model."""
+    for split, rows in (("train", train_rows), ("eval", eval_rows)):
+        if (data_dir / f"{split}.jsonl").exists() and read_jsonl(data_dir / f"{split}.jsonl") != rows:
+            raise RuntimeError(f"{data_dir / split}.jsonl differs from build_tiny_model.build_rows: rebuild it first")
+
+
 def main() -> None:
     args = start_build(__doc__, TRAIN, TaskSpec, SEED)
     start = time.perf_counter()
@@ -234,10 +242,7 @@ def main() -> None:
     train = replace(TRAIN, clean_steps=args.clean_steps, noisy_steps=args.noisy_steps)
 
     train_rows, eval_rows = build_rows(task)
-    data_dir = args.output_root / "data"
-    for split, rows in (("train", train_rows), ("eval", eval_rows)):
-        if (data_dir / f"{split}.jsonl").exists() and read_jsonl(data_dir / f"{split}.jsonl") != rows:
-            raise RuntimeError(f"{data_dir / split}.jsonl differs from build_tiny_model.build_rows: rebuild it first")
+    check_embedded_rows(args.output_root / "data", train_rows, eval_rows)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
     num_parameters = sum(p.numel() for p in model.parameters())
