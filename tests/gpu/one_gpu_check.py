@@ -11,8 +11,9 @@ the others still run), and the whole run never exceeds ``--timeout-s``. Each che
 (``{"check", "ok", "seconds", "detail"}``, plus ``skipped`` or ``expected_refusal`` where they apply), and a summary
 line ends the run; the exit code is 0 only if every check passed or ended in a recorded expected refusal (NCCL below
 2.30 refuses two ranks on one GPU: "Duplicate GPU detected"). ``--dry-run`` runs the same plumbing on the CPU (gloo
-where a check has a CPU analogue; the GPU-only checks report ``"skipped": "dry-run"``), which is what CI runs
-(``tests/unit/test_one_gpu_check.py``).
+where a check has a CPU analogue; the GPU-only checks report ``"skipped": "dry-run"``, and so does ``fsdp2_step``
+under torch < 2.6, whose FSDP2 needs CUDA), which is what CI runs (``tests/unit/test_one_gpu_check.py``; the
+``fsdp2_step`` dry run in the producers' environment: ``tests/engines/test_fsdp2_gpu_paths.py``).
 
 Imports: this parent process needs the standard library only; the checks import torch, transformers (through our
 producer) and our package's modules that need nothing more. Every check fails if ray, colossalai or vllm got imported.
@@ -60,6 +61,7 @@ CHECKS = (
     Check("nccl_group", 90),
     Check("shm_route", 90),
     Check("transformers_producer", 150),
+    Check("fsdp2_step", 180),
     Check("bucketed_gloo_from_gpu", 90, gpu_only=True),
     Check("bucketed_sync", 120),
     Check("abort_lonely_member", 90),
@@ -329,6 +331,226 @@ def produce_round(producer, round_index: int, setting: Setting) -> dict:
     }
 
 
+# An FSDP2 trainer step on the device against the same step in fp32 on the CPU (issue 55, item 7).
+
+FSDP2_PROMPT_LENGTH = 6
+FSDP2_RESPONSE_LENGTHS = (5, 3, 5, 2, 4, 5, 1, 5)  # two groups of four; right padding only, so a plain forward agrees
+FSDP2_PI_OLD_OFFSET = 0.15
+"""pi_old is the fp32 log-probs moved by up to this (ratios 0.86-1.16, inside the clip): the loss then depends on the
+step's own log-probs, which it does not at ratio 1."""
+FSDP2_LOGPROB_ATOL = 0.2
+"""bf16 against fp32 log-probs, per token. Measured on the CPU (bf16 FSDP2 against fp32): at most 0.049 (bf16 logits
+near 20 are 0.125 apart); not measured on a GPU. A wrong mask, position or weight is off by whole nats."""
+FSDP2_LOSS_ATOL = 0.03
+"""bf16 against fp32 step loss and entropy. Measured on the CPU: 0.0062 (of -0.006) and 0.0013 (of 0.116)."""
+FSDP2_GRAD_NORM_RTOL = 0.25
+"""bf16 against fp32 gradient norm, relative. Measured on the CPU: 0.092 (14.4 against 15.9)."""
+
+
+def fsdp2_unavailable(setting: Setting) -> str | None:
+    """Why this torch cannot run the FSDP2 step here: torch < 2.6 runs FSDP2 on CUDA only (it needs CUDA streams)."""
+    import torch
+
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if setting.dry_run and release < (2, 6):
+        return f"dry-run: torch {torch.__version__}'s FSDP2 needs CUDA (torch >= 2.6 runs it on the CPU)"
+    return None
+
+
+def check_fsdp2_step(setting: Setting) -> dict:
+    """One ``Trainer`` of ``--trainer-backend fsdp2`` at world size 1 (NCCL over a TCPStore on the GPU, gloo in the dry
+    run), bf16 over fp32 shards, one step on a hand-made batch; the same step in fp32 on the CPU in a peer process
+    (CUDA hidden). Its parameters must be fp32 DTensors on the device, its blocks compute in bf16, its optimizer state
+    fp32 on the device, its full state dict bf16 on the host and equal to the shards cast; its log-probs, loss,
+    entropy and gradient norm finite and within bf16 tolerances of the fp32 step."""
+    setting.prepare()
+    unavailable = fsdp2_unavailable(setting)
+    if unavailable:
+        return {"ok": True, "skipped": unavailable, "detail": {}}
+    peer = start_peer("fsdp2_cpu_reference", {}, setting, env={"CUDA_VISIBLE_DEVICES": ""})
+    try:
+        step = fsdp2_trainer_step("bf16")
+    finally:
+        reference = finish_peer(peer, 150)
+    problems = fsdp2_problems(step, setting.device, "torch.bfloat16")
+    if not reference.get("ok"):
+        problems.append("the CPU fp32 reference step failed")
+    else:
+        problems += fsdp2_problems(reference["step"], "cpu", "torch.float32", of="reference: ")
+        problems += fsdp2_differences(step, reference["step"])
+    detail = {"step": step, "reference": reference, "problems": problems}
+    return {"ok": not problems, "detail": detail}
+
+
+def peer_fsdp2_cpu_reference(setting: Setting, spec: dict) -> dict:
+    """The check's step in fp32 on the CPU (its process sees no GPU: the trainer takes gloo and the host)."""
+    return {"ok": True, "step": fsdp2_trainer_step("fp32")}
+
+
+def fsdp2_step_config(precision: str):
+    from colossal_rl.config import RLConfig, replace
+
+    config = RLConfig()
+    return replace(
+        config,
+        train=replace(config.train, batch_size=2, minibatch_size=2, microbatch_size=4, learning_rate=1e-3),
+        parallel=replace(config.parallel, trainer_backend="fsdp2", precision=precision, num_trainers=1),
+    ).validate()
+
+
+def fsdp2_step_batch(config, pad_token_id: int, vocab_size: int):
+    """Two groups of four samples with one prompt each; pi_old = fp32 log-probs of a plain forward on the host, moved
+    by a fixed pattern. Built alike in every process (the same generator, the same fp32 forward on the CPU)."""
+    import torch
+
+    from colossal_rl.batch import RolloutBatch
+    from colossal_rl.training.model_loading import load_policy
+
+    generator = torch.Generator().manual_seed(55)
+    count, width = len(FSDP2_RESPONSE_LENGTHS), max(FSDP2_RESPONSE_LENGTHS)
+    prompts = torch.randint(1, vocab_size, (2, FSDP2_PROMPT_LENGTH), generator=generator)
+    prompt_ids = prompts.repeat_interleave(count // 2, dim=0)  # [N, P]
+    response_mask = (torch.arange(width) < torch.tensor(FSDP2_RESPONSE_LENGTHS)[:, None]).long()  # [N, R]
+    response_ids = torch.randint(1, vocab_size, (count, width), generator=generator) * response_mask
+    response_ids = response_ids + pad_token_id * (1 - response_mask)
+    model = load_policy(config.model.path, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.cat([prompt_ids, response_ids], 1),
+            attention_mask=torch.cat([torch.ones_like(prompt_ids), response_mask], 1),
+        ).logits[:, FSDP2_PROMPT_LENGTH - 1 : -1]
+    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, response_ids[..., None])[..., 0] * response_mask
+    offset = (torch.rand((count, width), generator=generator) * 2 - 1) * FSDP2_PI_OLD_OFFSET
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=torch.ones_like(prompt_ids),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        behaviour_logprobs=(logprobs + offset) * response_mask,
+        rewards=rewards,
+        answer_correct=rewards,
+        loss_mask=torch.ones(count),
+        truncated=torch.zeros(count, dtype=torch.bool),
+        advantages=torch.tensor([0.8, -0.8, -0.8, 0.8, -1.5, 0.5, 0.5, 0.5]),
+        group_size=count // 2,
+        policy_version=0,
+    )
+    return batch.with_old_logprobs(batch.behaviour_logprobs), logprobs
+
+
+def fsdp2_trainer_step(precision: str) -> dict:
+    """Build the trainer on this process's device (the GPU if one is visible), take one step, describe what it held."""
+    import math
+
+    import torch.distributed as dist
+
+    from colossal_rl.training.trainer import Trainer
+
+    _progress(f"fsdp2 {precision}: process group and wrap")
+    trainer = Trainer(0, 1, fsdp2_step_config(precision), "127.0.0.1", 0)
+    trainer.host_rendezvous()
+    trainer.setup()
+    batch, plain_logprobs = fsdp2_step_batch(trainer.config, trainer.pad_token_id, trainer.vocab_size)
+    block_dtypes: set[str] = set()
+
+    def record_output_dtype(module, inputs, output):
+        block_dtypes.add(str((output[0] if isinstance(output, tuple) else output).dtype))
+
+    blocks = sharded_blocks(trainer.model)
+    # Before any forward: a no-grad forward leaves the root's parameters gathered (in the compute dtype) until the
+    # next backward reshards them, as FSDP2 keeps the root unsharded after its forward.
+    before = tensor_placements(trainer.model.parameters())
+    hook = blocks[0].register_forward_hook(record_output_dtype)
+    _progress(f"fsdp2 {precision}: log-probs and step")
+    logprobs = trainer.logprobs_no_grad(trainer.model, batch)  # [N, R] on the host
+    metrics = trainer.train_step(batch)
+    hook.remove()
+    _progress(f"fsdp2 {precision}: full state dict")
+    full = trainer.full_state_dict()
+    shards = {name: parameter.full_tensor() for name, parameter in trainer.model.named_parameters()}
+    cast = {name: tensor.to(full[name].dtype).cpu() for name, tensor in shards.items() if name in full}
+    optimizer_states = [value for state in trainer.optimizer.state.values() for value in state.values()]
+    step = {
+        "backend": dist.get_backend(),
+        "trainer_device": str(trainer.device),
+        "sharded_blocks": len(blocks),
+        "block_output_dtypes": sorted(block_dtypes),
+        "parameters_before": before,
+        "parameters_after": tensor_placements(trainer.model.parameters()),
+        "optimizer_state": tensor_placements(t for t in optimizer_states if t.dim() > 0),  # not the step counters
+        "full_state": tensor_placements(full.values()),
+        "full_state_missing": sorted(set(shards) - set(full)),
+        "full_state_not_the_shards_cast": bit_mismatches({name: full[name] for name in cast}, cast),
+        "logprobs_max_abs_diff_vs_plain_fp32": float((logprobs - plain_logprobs).abs().max()),
+        "logprobs": logprobs.tolist(),
+        "loss": metrics["train/loss"],
+        "entropy": metrics["train/entropy"],
+        "grad_norm": metrics["train/grad_norm"],
+    }
+    step["finite"] = all(math.isfinite(step[key]) for key in ("loss", "entropy", "grad_norm"))
+    dist.destroy_process_group()
+    return step
+
+
+def sharded_blocks(model) -> list:
+    """The modules ``fully_shard`` wrapped inside the root (its class is swapped for an ``FSDP...`` subclass)."""
+    try:  # torch >= 2.6
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch 2.5
+        from torch.distributed._composable.fsdp import FSDPModule
+    return [module for module in model.modules() if isinstance(module, FSDPModule) and module is not model]
+
+
+def tensor_placements(tensors) -> dict:
+    """The tensor types, dtypes and device types among ``tensors`` (a DTensor's are its local shard's)."""
+    types, dtypes, devices = set(), set(), set()
+    for tensor in tensors:
+        types.add(type(tensor).__name__)
+        dtypes.add(str(tensor.dtype))
+        devices.add(tensor.device.type)
+    return {"types": sorted(types), "dtypes": sorted(dtypes), "devices": sorted(devices)}
+
+
+def fsdp2_problems(step: dict, device: str, compute_dtype: str, of: str = "") -> list[str]:
+    """What is wrong in one step's record: placements and dtypes, finiteness, the full state dict."""
+    fp32_on_device = {"dtypes": ["torch.float32"], "devices": [device]}
+    expected = {
+        "backend": "gloo" if device == "cpu" else "nccl",
+        "block_output_dtypes": [compute_dtype],
+        "parameters_before": {"types": ["DTensor"], **fp32_on_device},
+        "parameters_after": {"types": ["DTensor"], **fp32_on_device},
+        "optimizer_state": {"types": ["DTensor"], **fp32_on_device},
+        "full_state": {"types": ["Tensor"], "dtypes": [compute_dtype], "devices": ["cpu"]},
+        "full_state_missing": [],
+        "full_state_not_the_shards_cast": [],
+        "finite": True,
+    }
+    problems = [f"{of}{key}: {step[key]}, expected {want}" for key, want in expected.items() if step[key] != want]
+    if step["sharded_blocks"] < 1:
+        problems.append(f"{of}no decoder block was sharded on its own")
+    if not step["trainer_device"].startswith(device):
+        problems.append(f"{of}trainer_device: {step['trainer_device']}, expected {device}")
+    if step["logprobs_max_abs_diff_vs_plain_fp32"] > FSDP2_LOGPROB_ATOL:
+        problems.append(f"{of}log-probs {step['logprobs_max_abs_diff_vs_plain_fp32']} from a plain fp32 forward")
+    return problems
+
+
+def fsdp2_differences(step: dict, reference: dict) -> list[str]:
+    """Where the device's bf16 step is further from the CPU's fp32 step than bf16 explains."""
+    problems = []
+    for key in ("loss", "entropy"):
+        if not abs(step[key] - reference[key]) <= FSDP2_LOSS_ATOL:
+            problems.append(f"{key} {step[key]} against {reference[key]} in fp32 on the CPU")
+    if not abs(step["grad_norm"] - reference["grad_norm"]) <= FSDP2_GRAD_NORM_RTOL * abs(reference["grad_norm"]):
+        problems.append(f"grad_norm {step['grad_norm']} against {reference['grad_norm']} in fp32 on the CPU")
+    pairs = zip(sum(step["logprobs"], []), sum(reference["logprobs"], []), strict=True)  # [N * R] each
+    worst = max(abs(mine - theirs) for mine, theirs in pairs)
+    if not worst <= FSDP2_LOGPROB_ATOL:
+        problems.append(f"log-probs {worst} from the fp32 CPU step's")
+    return problems
+
+
 # The bucketed broadcast needs a sender and a receiver: the receiver is a second process on the same GPU.
 
 
@@ -520,7 +742,8 @@ def still_usable(setting: Setting) -> dict:
 # Peers: a second process a check starts (and always ends), reporting one result line like a check does.
 
 
-def start_peer(role: str, spec: dict, setting: Setting) -> subprocess.Popen:
+def start_peer(role: str, spec: dict, setting: Setting, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``env``: variables set for the peer alone (``CUDA_VISIBLE_DEVICES=""``: a peer that must not see the GPU)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--peer", role, "--spec", json.dumps(spec)]
     if setting.dry_run:
         command.append("--dry-run")
@@ -530,7 +753,7 @@ def start_peer(role: str, spec: dict, setting: Setting) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=child_env(),  # in the check's process group: killing a hung check kills its peer too
+        env=child_env() | (env or {}),  # in the check's process group: killing a hung check kills its peer too
     )
 
 
@@ -555,6 +778,7 @@ WORKER_CHECKS: dict[str, Callable[[Setting], dict]] = {
     "nccl_group": check_nccl_group,
     "shm_route": check_shm_route,
     "transformers_producer": check_transformers_producer,
+    "fsdp2_step": check_fsdp2_step,
     "bucketed_gloo_from_gpu": check_bucketed_gloo_from_gpu,
     "bucketed_sync": check_bucketed_sync,
     "abort_lonely_member": check_abort_lonely_member,
@@ -563,6 +787,7 @@ WORKER_CHECKS: dict[str, Callable[[Setting], dict]] = {
 PEERS: dict[str, Callable[[Setting, dict], dict]] = {
     "bucketed_receiver": peer_bucketed_receiver,
     "silent_member": peer_silent_member,
+    "fsdp2_cpu_reference": peer_fsdp2_cpu_reference,
 }
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import site
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from uninstalled_checkout import python_without_the_project, uninstalled_checkout
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -28,12 +28,17 @@ EXPECTED_CHECKS = {
     "nccl_group",
     "shm_route",
     "transformers_producer",
+    "fsdp2_step",
     "bucketed_gloo_from_gpu",
     "bucketed_sync",
     "abort_lonely_member",
     "abort_silent_peer",
 }
 GPU_ONLY = {"bucketed_gloo_from_gpu"}
+FSDP2_ON_CPU = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+"""torch 2.5.1 (this environment) runs FSDP2 on CUDA only: here ``fsdp2_step``'s dry run says so and is skipped; it
+runs in the producers' environment (``tests/engines/test_fsdp2_gpu_paths.py``)."""
+DRY_RUN_SKIPS = GPU_ONLY | (set() if FSDP2_ON_CPU else {"fsdp2_step"})
 LIMIT_S = 180  # the script's own default limit is 420 s; on the GPU machine it must finish within 8 minutes
 
 
@@ -57,11 +62,13 @@ def test_the_dry_run_passes_every_check_without_ray_colossalai_or_vllm(tmp_path)
         assert record["ok"] is True, record
         if record["check"] in GPU_ONLY:
             assert record["skipped"] == "dry-run"
+        elif record["check"] in DRY_RUN_SKIPS:
+            assert record["skipped"].startswith(f"dry-run: torch {torch.__version__}'s FSDP2 needs CUDA"), record
         else:
             assert "skipped" not in record and "expected_refusal" not in record, record
             assert not record["detail"].get("forbidden_imports"), record
     assert summary["summary"] is True and summary["ok"] is True and summary["dry_run"] is True
-    assert summary["failed"] == [] and summary["skipped"] == sorted(GPU_ONLY)
+    assert summary["failed"] == [] and sorted(summary["skipped"]) == sorted(DRY_RUN_SKIPS)
     assert summary["parent_forbidden_imports"] == []  # the parent process imports neither torch nor ray & co.
     assert summary["seconds"] < LIMIT_S and seconds < 8 * 60
     bucketed = next(r for r in records if r["check"] == "bucketed_sync")
@@ -122,32 +129,6 @@ def surviving_peers(wait_s: float = 5.0) -> str:
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
-
-
-def uninstalled_checkout(root: Path) -> Path:
-    """The checkout as the lent GPU machine has it: ``colossal_rl/``, ``reward/`` and the script, with nothing
-    mapping ``reward/`` to ``colossal_rl.reward`` (no ``colossal_rl/reward``, as a mutation-check copy links it)."""
-
-    def ignore(directory: str, names: list[str]) -> set[str]:
-        skip = {"__pycache__"} | ({"reward", "assets"} if Path(directory) == CHECKOUT / "colossal_rl" else set())
-        return skip & set(names)
-
-    shutil.copytree(CHECKOUT / "colossal_rl", root / "colossal_rl", ignore=ignore)
-    (root / "colossal_rl" / "assets").symlink_to(CHECKOUT / "colossal_rl" / "assets", target_is_directory=True)
-    shutil.copytree(CHECKOUT / "reward", root / "reward", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "tests" / "gpu").mkdir(parents=True)
-    shutil.copy(SCRIPT, root / "tests" / "gpu" / SCRIPT.name)
-    return root
-
-
-def python_without_the_project(directory: Path) -> Path:
-    """An interpreter that has this environment's packages (torch, transformers) but not the project's editable
-    install: a bare virtualenv whose ``.pth`` adds our site-packages as a plain path (``.pth`` files there, the
-    editable install's finder among them, are then not run). Every process the script starts uses it too."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True, timeout=60)
-    (target,) = directory.glob("lib/python*/site-packages")
-    (target / "packages_without_the_project.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    return directory / "bin" / "python"
 
 
 def test_the_transformers_producer_check_runs_from_a_checkout_that_is_not_installed(tmp_path):
