@@ -52,6 +52,7 @@ from our run's ``--enable-profiling`` spans (``profile.jsonl``, ``colossal_rl/pr
 
     python benchmarks/scaling.py [--sizes 1m,10m,40m] [--lengths 16,128] [--steps N] [--arch qwen2]
                                  [--systems ours,trl] [--quick] [--out results.json] [--tables results.json]
+                                 [--compare-flags '--trainer-backend fsdp2']  # ours again with these flags
 """
 
 from __future__ import annotations
@@ -557,6 +558,8 @@ def main() -> None:
     if args.tables:
         saved = json.loads(args.tables.read_text())
         print_tables(saved["rows"], machine_limits.Limits.from_json(json.dumps(saved["limits"])), saved["command"])
+        if any("ours_compared" in row for row in saved["rows"]):
+            print_comparison(saved["rows"], saved.get("compare_flags", "--compare-flags"))
         return
     if args.quick:
         args.sizes, args.lengths = QUICK["sizes"], QUICK["lengths"]
@@ -610,30 +613,46 @@ def main() -> None:
             row["limits"] = against_limits(row["ours"], row["shape"], settings, row["prompt_tokens"], limits)
     out = args.out or cache_dir / "scaling_results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command, "limits": json.loads(limits.to_json()), "rows": rows}, indent=1))
+    saved = {
+        "command": command,
+        "limits": json.loads(limits.to_json()),
+        "rows": rows,
+        "compare_flags": args.compare_flags,
+    }
+    out.write_text(json.dumps(saved, indent=1))
     print_tables(rows, limits, command)
     if args.compare_flags:
         print_comparison(rows, args.compare_flags)
     print(f"\nraw results: {out}; {time.perf_counter() - STARTED:.0f} s in all")
 
 
+def actor_phase_seconds(run: dict, actor_prefix: str, phase: str) -> float:
+    """Seconds in ``phase`` summed over the actors whose names start with ``actor_prefix`` (``analyse_run``'s)."""
+    return sum(s.get(phase, 0.0) for a, s in run["phase_seconds"].items() if a.startswith(actor_prefix))
+
+
 def print_comparison(rows: list[dict], compare_flags: str) -> None:
     """Ours as run against ours with ``--compare-flags``, measured one right after the other: samples/s over the
-    pipeline wall, the trainer's forward/backward seconds and the positions it computed."""
+    pipeline wall, the trainer's phase seconds (pi_old, forward/backward, optimizer, sync), the producer's generate
+    seconds and the positions the trainer computed."""
     print(
-        f"\n| size | -mnt | ours samples/s | with {compare_flags} | ratio | fwd/bwd s (ours, with) | computed tokens |"
+        f"\n| size | -mnt | ours samples/s | with {compare_flags} | ratio | fwd/bwd s (ours, with) | pi_old s | "
+        "optimizer s | sync s | P generate s | computed tokens |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "ours_compared" not in row:
             continue
         ours, other = row["ours"], row["ours_compared"]
         rate = [r["samples"] / r.get("pipeline_wall_s", r["train_s"]) for r in (ours, other)]
-        fb = [sum(s.get("forward_backward", 0.0) for a, s in r["phase_seconds"].items() if a.startswith("trainer"))
-              for r in (ours, other)]  # fmt: skip
+        seconds = lambda prefix, phase, runs=(ours, other): ", ".join(  # noqa: E731
+            f"{actor_phase_seconds(r, prefix, phase):.1f}" for r in runs
+        )
         print(
             f"| {row['size']} | {row['max_new_tokens']} | {rate[0]:.1f} | {rate[1]:.1f} | x{rate[0] / rate[1]:.2f} | "
-            f"{fb[0]:.1f}, {fb[1]:.1f} | {ours['computed_tokens']:.0f}, {other['computed_tokens']:.0f} |"
+            f"{seconds('trainer', 'forward_backward')} | {seconds('trainer', 'old_logprobs')} | "
+            f"{seconds('trainer', 'optimizer_step')} | {seconds('trainer', 'sync')} | "
+            f"{seconds('producer', 'generate')} | {ours['computed_tokens']:.0f}, {other['computed_tokens']:.0f} |"
         )
 
 
