@@ -4,7 +4,8 @@ process is FSDP2: one trainer, two engines, one set of tests.
 Each file below builds real trainers through ``tests/unit/trainer_harness.py`` and checks behaviour, not the engine:
 exact resume (weights, optimizer, LR schedule and the random stream, bit for bit), pi_old and ``--ppo-epochs``, the
 sequence layouts against padded, LoRA (adapter-only sync, merged export), the memory features, batch-level
-advantages and online DPO. Here they run under torch 2.13 and transformers 5.19 with FSDP2, through that environment's
+advantages and online DPO — and FSDP2's own device and dtype cases (``fsdp2_device_cases.py``, see
+``test_fsdp2_gpu_paths.py``). Here they run under torch 2.13 and transformers 5.19 with FSDP2, through that environment's
 pytest, in one subprocess.
 """
 
@@ -27,6 +28,8 @@ TRAINER_TESTS = (
     "tests/unit/test_memory_features.py",
     "tests/unit/test_step_advantages.py",
     "tests/unit/test_online_dpo.py",
+    "tests/unit/test_checkpoint_format.py",
+    "tests/engines/fsdp2_device_cases.py",  # FSDP2's GPU devices and dtypes, checked on the CPU (one interpreter here)
 )
 DEADLINE_S = 900
 
