@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
-"""``model_type`` values of the MoE architectures we train and replay (``moe/blocks.py``'s blocks)."""
+"""``model_type`` values of the MoE architectures we replay and give the balance loss (``moe/blocks.py``'s blocks);
+any other mixture of experts trains without those two."""
 
 VLLM_REPLAY_REFUSAL = (
     "--routing-replay with -b vllm: vLLM 0.32 returns routed experts only from its V2 model runner, which needs a "
@@ -66,10 +67,11 @@ def moe_refusal(
     if not moe:
         return None
     model_type = (model_json or {}).get("model_type")
-    if model_type not in MOE_MODEL_TYPES:
+    if model_type not in MOE_MODEL_TYPES and (routing_replay or router_aux_loss_coef > 0):
+        flag = "--routing-replay" if routing_replay else f"--router-aux-loss-coef {router_aux_loss_coef:g}"
         return (
-            f"-m/--model {model}: mixture-of-experts model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(MOE_MODEL_TYPES)}"
+            f"{flag}: it hooks the MoE blocks of {', '.join(MOE_MODEL_TYPES)}; -m/--model {model} is a "
+            f"{model_type!r} mixture of experts, which trains without it"
         )
     if tp_size > 1 or pp_size > 1:
         return (

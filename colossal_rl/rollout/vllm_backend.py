@@ -49,7 +49,6 @@ from colossal_rl.config import VllmEngineConfig
 from colossal_rl.rollout import vllm_weights
 from colossal_rl.rollout.backend import GenerationOutput, SamplingSettings
 from colossal_rl.rollout.batcher import Batcher, DecodedGroup
-from colossal_rl.rollout.checkpoint_format import CheckpointFormat
 from colossal_rl.rollout.tokenizer_loading import load_processor, load_tokenizer
 from colossal_rl.rollout.vllm_requests import (
     SEED_RANGE,
@@ -187,8 +186,6 @@ class VllmBackend:
 
         self.vllm_version = vllm.__version__
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        self._checkpoint_format: CheckpointFormat | None = None
-        """Built at the first load: today's transformers' in-memory layout back to checkpoint names."""
         on_cpu = not torch.cuda.is_available()
         reason = unservable_reason(
             self.hf_config, on_cpu=on_cpu, supported_architectures=set(vllm.ModelRegistry.get_supported_archs()),
@@ -334,9 +331,7 @@ class VllmBackend:
         ``partial``: only the layers LoRA adapts (merged by the producer), nothing else is expected. Every
         tensor-parallel worker loads its shard; the prefix cache is then emptied."""
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
-        if self._checkpoint_format is None:
-            self._checkpoint_format = CheckpointFormat(self.hf_config)
-        weights = vllm_weights.to_vllm_weights(self._checkpoint_format(named_tensors), tie_word_embeddings=tied)
+        weights = vllm_weights.to_vllm_weights(named_tensors, tie_word_embeddings=tied)
         omissible = ("",) if partial else vllm_weights.omissible_prefixes(self.architecture)
         try:
             packed = vllm_weights.pack_tensors(weights)

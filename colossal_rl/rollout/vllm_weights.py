@@ -333,6 +333,20 @@ def worker_model(worker: Any) -> torch.nn.Module:
     return worker.model_runner.model
 
 
+def checkpoint_format_of(worker: Any):
+    """The worker's ``CheckpointFormat`` (``rollout/checkpoint_format.py``) for the model it serves, built once: both
+    weight routes (through the producer, or received by the worker) load checkpoint names."""
+    converter = getattr(worker, "_colossal_rl_checkpoint_format", None)
+    if converter is None:
+        from colossal_rl.rollout.checkpoint_format import CheckpointFormat
+
+        model_config = getattr(worker, "model_config", None) or getattr(worker.model_runner, "model_config", None)
+        hf_config = getattr(model_config, "hf_config", None)
+        converter = dict if hf_config is None else CheckpointFormat(hf_config)  # None: not a vLLM worker (a fake)
+        worker._colossal_rl_checkpoint_format = converter
+    return converter
+
+
 def load_weights_on_worker(
     worker: Any,
     weights: list[tuple[str, torch.Tensor]],
@@ -349,6 +363,7 @@ def load_weights_on_worker(
     sent (``unreached_expert_slices``).
     """
     model = worker_model(worker)
+    weights = list(checkpoint_format_of(worker)(dict(weights)).items())  # transformers 5's fused layouts reverted
     parameters = {name for name, _ in model.named_parameters()}
     targets = {name: vllm_parameter_name(name, architecture) for name, _ in weights}
     num_experts = getattr(model, "num_logical_experts", None)  # vLLM's MixtureOfExperts models

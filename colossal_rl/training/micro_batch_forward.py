@@ -38,6 +38,23 @@ class ForwardTerms(NamedTuple):
     ``train.router_aux_loss_coef`` > 0; else None."""
 
 
+SLIDING_WINDOW_LAYOUT = (
+    "--sequence-layout {layout}: the policy attends within a sliding window, which the block mask of a packed or "
+    "shared-prompt row does not keep; use padded (or auto, which picks it for such a model)"
+)
+
+
+def attends_in_sliding_window(model_config) -> bool:
+    """Whether some layer of the model attends only within a sliding window (its config's ``sliding_window``, on
+    and used by a layer type): such a model trains in the padded layout, whose 2D mask transformers turns into the
+    window's mask; the 4D block masks of the packed and shared-prompt rows would attend past it."""
+    text = model_config.get_text_config()
+    if not getattr(text, "sliding_window", None) or getattr(text, "use_sliding_window", True) is False:
+        return False
+    layer_types = getattr(text, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
 class MicroBatchForward:
     def __init__(
         self,
@@ -51,6 +68,7 @@ class MicroBatchForward:
         rope_tokens: RopeTokens | None = None,
         head_weight_outside_forward: bool = True,
         forward_is_collective: bool = False,
+        sliding_window: bool = False,
     ):
         """``tp_group``: set when logits come vocabulary-sharded (tensor parallelism). ``max_over_ranks``: the
         maximum of an int over the data-parallel ranks (None: a single data-parallel rank). ``rope_tokens``: a
@@ -62,6 +80,10 @@ class MicroBatchForward:
         self.head_weight_outside_forward = head_weight_outside_forward
         self.forward_is_collective = forward_is_collective
         self.layout = config.sequence_layout_for(vision_language=rope_tokens is not None)
+        if sliding_window and self.layout != "padded":  # ``attends_in_sliding_window``
+            if config.train.sequence_layout != "auto":
+                raise ValueError(SLIDING_WINDOW_LAYOUT.format(layout=self.layout))
+            self.layout = "padded"
         self.by_shape = (
             config.train.sequence_layout == "auto"
             and self.layout == "shared_prompt"

@@ -34,9 +34,10 @@ import torch.distributed as dist
 from colossal_rl.batch import RolloutBatch
 from colossal_rl.config import RLConfig, with_device_precision
 from colossal_rl.moe.blocks import moe_blocks
+from colossal_rl.moe.support import is_moe_config
 from colossal_rl.profiling import PhaseRecorder
 from colossal_rl.training.lr_schedule import ScheduleHorizon, make_lr_scheduler
-from colossal_rl.training.micro_batch_forward import MicroBatchForward
+from colossal_rl.training.micro_batch_forward import MicroBatchForward, attends_in_sliding_window
 from colossal_rl.training.objective import objective_for
 from colossal_rl.training.round_plan import epoch_steps
 from colossal_rl.training.step_advantages import step_advantages
@@ -165,7 +166,8 @@ class Trainer:
         model = self._load_policy(dtype)
         model_config = model.config
         traits = PolicyTraits(
-            vision_language=is_vision_language_config(model_config), mixture_of_experts=bool(moe_blocks(model))
+            vision_language=is_vision_language_config(model_config),
+            mixture_of_experts=bool(moe_blocks(model)) or is_moe_config(model_config.to_dict()),
         )
         with self.startup.record("boost"):
             self.engine.wrap(model, traits, self._make_optimizer, self._make_lr_scheduler)
@@ -267,6 +269,7 @@ class Trainer:
             vocab_size=self.vocab_size,
             max_over_ranks=self._global_max if self.dp_size > 1 else None,
             rope_tokens=rope_tokens_of(model_config),
+            sliding_window=attends_in_sliding_window(model_config),
             head_weight_outside_forward=self.engine.head_weight_outside_forward,
             forward_is_collective=self.engine.forward_is_collective,
         )

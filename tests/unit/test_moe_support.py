@@ -45,9 +45,12 @@ def test_what_cannot_work_is_refused_naming_the_flag(changes, named):
     assert message is not None and message.startswith(named) and "\n" not in message
 
 
-def test_replay_on_a_dense_model_and_an_unknown_moe_are_refused():
+def test_replay_on_a_dense_model_and_an_unknown_moe_are_refused_and_an_unknown_moe_trains_without_them():
     assert refusal({"model_type": "qwen2"}).startswith("--routing-replay: -m/--model m is not a mixture-of-experts")
-    assert "mixtral" in refusal({"model_type": "mixtral", "num_local_experts": 8}, routing_replay=False)
+    glm = {"model_type": "glm4_moe", "n_routed_experts": 8}
+    assert refusal(glm).startswith("--routing-replay: it hooks the MoE blocks of qwen3_moe")
+    assert "'glm4_moe' mixture of experts" in refusal(glm, routing_replay=False, router_aux_loss_coef=0.01)
+    assert refusal(glm, routing_replay=False) is None  # any mixture of experts trains (no replay, no balance loss)
     assert refusal({"model_type": "qwen2"}, routing_replay=False, router_aux_loss_coef=0.01).startswith(
         "--router-aux-loss-coef 0.01: -m/--model m is not a mixture-of-experts"
     )
@@ -64,7 +67,7 @@ def test_the_input_check_reads_the_models_config_json(tmp_path):
 
 
 def test_the_readme_and_guide_commands_train_the_embedded_moe_with_replay(monkeypatch):
-    """README's "Mixture-of-experts policies" command and the guide's (the second is the one
+    """README's mixture-of-experts command (its "More" list) and the guide's (the second is the one
     ``tests/e2e/test_moe_e2e.py`` runs, cut to 10 steps) build valid configs on the embedded tiny Qwen3-MoE."""
     import re
     import shlex
@@ -79,12 +82,11 @@ def test_the_readme_and_guide_commands_train_the_embedded_moe_with_replay(monkey
 
     monkeypatch.chdir(root)
     readme = (root / "README.md").read_text()
-    section = readme[readme.index("### Mixture-of-experts policies") : readme.index("## Results")]
+    section = readme[readme.index("### More") : readme.index("## Results")]
     guide = (root / "docs" / "guides" / "mixture-of-experts.md").read_text()
-    lines = [
+    lines = re.findall(r"`(python rl_example.py -m colossal_rl/assets/tiny_qwen3_moe[^`]*)`", section) + [
         line
-        for text in (section, guide.split("## Why")[0])
-        for line in "\n".join(re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)).splitlines()
+        for line in "\n".join(re.findall(r"```bash\n(.*?)```", guide.split("## Why")[0], flags=re.DOTALL)).splitlines()
         if line.startswith("python rl_example.py")
     ]
     assert len(lines) == 3
