@@ -363,14 +363,21 @@ def load_weights_on_worker(
     sent (``unreached_expert_slices``).
     """
     model = worker_model(worker)
-    weights = list(checkpoint_format_of(worker)(dict(weights)).items())  # transformers 5's fused layouts reverted
     parameters = {name for name, _ in model.named_parameters()}
-    targets = {name: vllm_parameter_name(name, architecture) for name, _ in weights}
     num_experts = getattr(model, "num_logical_experts", None)  # vLLM's MixtureOfExperts models
     num_experts = num_experts if isinstance(num_experts, int) else None
-    unknown = sorted(
-        name for name, target in targets.items() if target not in parameters or not _expert_in(name, num_experts)
-    )
+
+    def unknown_of(targets: dict[str, str]) -> list[str]:
+        return sorted(
+            name for name, target in targets.items() if target not in parameters or not _expert_in(name, num_experts)
+        )
+
+    targets = {name: vllm_parameter_name(name, architecture) for name, _ in weights}
+    unknown = unknown_of(targets)
+    if unknown:  # names of transformers 5's in-memory layout (fused experts): revert them to the checkpoint's
+        weights = list(checkpoint_format_of(worker)(dict(weights)).items())
+        targets = {name: vllm_parameter_name(name, architecture) for name, _ in weights}
+        unknown = unknown_of(targets)
     if unknown:
         raise KeyError(f"weights the vLLM model does not have: {unknown[:5]} ({len(unknown)} in all)")
     reload = getattr(worker, "reload_weights", None)
