@@ -138,7 +138,7 @@ class ScheduleLoop:
         scheduler, driver = self.scheduler, self.driver
         version = scheduler.sync_due()
         if version is not None and not self._kinds("sync"):
-            self._submit("sync", driver.sync.sync_to(version, reason=f"step {driver.step}"), version)
+            self._submit("sync", self._sync_calls(version, reason=f"step {driver.step}"), version)
             scheduler.sync_ordered(version)
             self._synced_at_step[version] = driver.step
         self._order_eval()
@@ -250,16 +250,22 @@ class ScheduleLoop:
         driver = self.driver
         ray.wait([call.ref for call in sync.calls], num_returns=len(sync.calls), timeout=driver.timeout)
         self._forget(sync)
-        for attempt in range(3):
-            driver.sync.broken()
-            try:  # forming the group again waits on every producer: one may die meanwhile
-                calls = driver.sync.sync_to(sync.subject, reason="sync made again")
-                break
+        driver.sync.broken()
+        self._submit("sync", self._sync_calls(sync.subject, reason="sync made again"), sync.subject)
+
+    def _sync_calls(self, version: int, *, reason: str) -> Calls:
+        """The calls of a sync to ``version``. After a producer restart the group is formed again first, which
+        waits on every producer: one that dies meanwhile is restarted (or the run ends naming the budget, in
+        ``restarted_producers``) and the group formed anew."""
+        attempts_left = 3
+        while True:
+            try:  # a failed formation leaves the group stale: the next attempt forms it again
+                return self.driver.sync.sync_to(version, reason=reason)
             except RunFailed as failure:  # its lost chunks fail in their own waits, and are handed out again
-                driver.restarted_producers(failure, [], whole_sync=True)  # raises unless producers were restarted
-                if attempt == 2:
+                self.driver.restarted_producers(failure, [], whole_sync=True)  # raises unless some were restarted
+                attempts_left -= 1
+                if attempts_left == 0:
                     raise
-        self._submit("sync", calls, sync.subject)
 
     def _forget(self, item: Waiting) -> None:
         self.waiting.remove(item)

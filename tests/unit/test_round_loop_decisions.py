@@ -4,7 +4,7 @@ Ray): the calls it submits, in order, are the schedule (docs/concepts.md, "The r
 them, then per round one ``train_steps`` of all its steps, the sync to ``r + 1`` and round ``r + 1 + n_behind``'s
 chunks; nothing is produced past the last round, and ``--max-steps`` exactly met ends the run at that round. A
 checkpoint waits for the rounds in flight and saves their rollouts; a lost chunk is made again as it was; the
-weight sync of a resume survives a producer death while its group forms.
+weight sync of a resume, and a due sync, survive a producer death while its group forms.
 """
 
 from __future__ import annotations
@@ -249,3 +249,27 @@ def test_formation_failures_with_nobody_restarted_end_the_run(monkeypatch, tmp_p
     fail_first_joins(driver, failures=10)
     with pytest.raises(RunFailed, match="producer 1 died"):
         driver._sync_weights(3, reason="test")
+
+
+def test_a_producer_death_while_a_due_sync_forms_its_group_again_is_recovered_and_the_schedule_unchanged():
+    """After a restart the next sync forms the group again, waiting on every producer: a second death then goes
+    through the restart budget (``restarted_producers``), never out of the loop as an unhandled failure."""
+    expected_loop, expected_driver = loop_on(config(1))
+    play(expected_loop, expected_driver)
+    loop, driver = loop_on(config(1))
+    restarts: list = []
+    driver.restarted_producers = lambda failure, calls, whole_sync: restarts.append((calls, whole_sync)) or [1]
+    driver.sync.broken()  # a restart (before the loop's first sync) left the group to be formed again
+    seen = fail_first_joins(driver, failures=2)
+    play(loop, driver)
+    assert seen == ["join failed"] * 2 and restarts == [([], True)] * 2
+    assert schedule(driver.log) == schedule(expected_driver.log)
+
+
+def test_a_due_syncs_formation_failing_again_and_again_with_nobody_restarted_ends_the_run():
+    loop, driver = loop_on(config(1))
+    driver.restarted_producers = lambda failure, calls, whole_sync: []
+    driver.sync.broken()
+    fail_first_joins(driver, failures=10)
+    with pytest.raises(RunFailed, match="producer 1 died"):
+        play(loop, driver)
