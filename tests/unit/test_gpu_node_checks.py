@@ -118,3 +118,15 @@ def test_the_node_side_probe_reports_a_missing_library_and_asks_a_process_under_
     monkeypatch.setattr(trainer_nccl.subprocess, "run", fake_run)
     assert trainer_nccl.preloaded_release(str(library)) == (NCCL_RELEASE, None)
     assert seen["command"][:2] == [sys.executable, "-c"] and seen["preload"].split(":")[0] == str(library)
+
+
+def test_fsdp2_asks_every_gpu_actors_node_for_the_driver_and_none_for_the_trainers_nccl(preload):
+    """Under fsdp2 the trainers run in the producers' environment too (CUDA 13 torch, its own NCCL): the trainers'
+    node needs r580+ like the producers', and the ColossalAI trainers' NCCL preload is asked of nobody."""
+    fsdp2 = dataclasses.replace(config(), parallel=ParallelConfig(num_trainers=8, trainer_backend="fsdp2"))
+    nodes = FakeNodes(GOOD, {})
+    check_gpu_nodes(fsdp2, cluster(), run=nodes)
+    assert nodes.asked == {"read_driver_version": ["gpu00000", "gpu10000"]}  # producers' node, then trainers'
+    old_trainer_node = FakeNodes(GOOD | {"gpu10000": "550.54.15"}, {})
+    with pytest.raises(ProducerEnvError, match=r"10\.0\.0\.3 \(node gpu10000\): NVIDIA driver 550\.54\.15"):
+        check_gpu_nodes(fsdp2, cluster(), run=old_trainer_node)

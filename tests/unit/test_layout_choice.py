@@ -104,3 +104,21 @@ def test_a_sliding_window_model_trains_padded_and_an_asked_block_layout_is_refus
     assert forward("auto").layout == "padded" and not forward("auto").by_shape
     with pytest.raises(ValueError, match=SLIDING_WINDOW_LAYOUT.format(layout="packed").split(":")[0]):
         forward("packed")
+
+
+def test_a_config_without_a_use_sliding_window_flag_attends_in_its_window():
+    """OLMo 3's config (the embedded tiny one, written by transformers 5) has ``sliding_window`` and ``layer_types``
+    but no ``use_sliding_window``: its window is on, and it must train padded. Read as a plain config (transformers
+    4.51.3 does not know ``olmo3``)."""
+    import json
+
+    from transformers import PretrainedConfig
+
+    from colossal_rl.config import ASSETS_DIR
+    from colossal_rl.training.micro_batch_forward import attends_in_sliding_window
+
+    olmo3 = json.loads((ASSETS_DIR / "tiny_olmo3" / "config.json").read_text())
+    assert "use_sliding_window" not in olmo3 and "sliding_attention" in olmo3["layer_types"]
+    assert attends_in_sliding_window(PretrainedConfig.from_dict(olmo3))
+    no_window = olmo3 | {"sliding_window": None}
+    assert not attends_in_sliding_window(PretrainedConfig.from_dict(no_window))

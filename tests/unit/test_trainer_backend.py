@@ -101,3 +101,20 @@ def test_a_vision_language_model_is_refused_on_fsdp2_in_one_line(tmp_path):
     config = config_for(model_dir(tmp_path, "qwen2_5_vl", vision_config={"depth": 2}), "fsdp2")
     with pytest.raises(InputError, match=r"--trainer-backend fsdp2: .* vision-language model"):
         trainer_backend.resolve_trainer_backend(config, ask_producers=never_ask)
+
+
+def test_a_trainer_built_outside_a_run_with_auto_takes_colossalai_where_installed_else_fsdp2(monkeypatch):
+    """``engine_name`` (a trainer built from a config that never went through the driver): this environment has
+    ColossalAI, so ``auto`` is colossalai; where it is not installed (the producers' environment) it is fsdp2. A
+    concrete choice is kept either way."""
+    import importlib.util
+
+    from colossal_rl.training.engines import engine_name
+
+    assert importlib.util.find_spec("colossalai") is not None
+    assert engine_name(config_for(str(EMBEDDED_MODEL_DIR))) == "colossalai"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "colossalai" else
+                        real_find_spec(name, *a))  # fmt: skip
+    assert engine_name(config_for(str(EMBEDDED_MODEL_DIR))) == "fsdp2"
+    assert engine_name(config_for(str(EMBEDDED_MODEL_DIR), "colossalai")) == "colossalai"

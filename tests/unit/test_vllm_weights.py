@@ -223,6 +223,46 @@ def test_worker_loader_names_unknown_and_unreached_parameters():
     assert missing == [sorted(parameters)[0]]
 
 
+class FusedGateUp:
+    """Stands for a worker's ``CheckpointFormat`` under transformers 5: splits one fused in-memory name back into the
+    checkpoint's two; ``usable``: False stands for a worker where building it fails (transformers' meta model inside
+    vLLM's Transformers backend), so it must not be called when nothing needs reverting."""
+
+    def __init__(self, fused: str, parts: tuple[str, str], usable: bool = True):
+        self.fused, self.parts, self.usable, self.calls = fused, parts, usable, 0
+
+    def __call__(self, named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        assert self.usable, "the checkpoint-format revert was used for names the worker holds"
+        reverted = {}
+        for name, tensor in named_tensors.items():
+            reverted.update(zip(self.parts, tensor.chunk(2), strict=True) if name == self.fused else [(name, tensor)])
+        return reverted
+
+
+def test_a_worker_reverts_to_checkpoint_names_only_names_it_does_not_hold():
+    """A ColossalAI trainer's sync is in checkpoint names: loaded as sent, the revert never called. An fsdp2 trainer
+    on transformers 5 sends fused names: reverted to the checkpoint's, then loaded, every parameter reached."""
+    config = tiny_config("qwen2", tied=True)
+    weights = to_vllm_weights(hf_state_dict(config), tie_word_embeddings=True)
+    parameters = vllm_073_parameter_names(config, qkv_bias=True)
+    gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    fused = "model.layers.0.mlp.gate_up_fused"
+    worker = FakeWorker(FakeVllmModel(parameters))
+    worker._colossal_rl_checkpoint_format = FusedGateUp(fused, (gate, up), usable=False)
+    assert load_weights_on_worker(worker, weights) == []
+
+    by_name = dict(weights)
+    sent = [(name, tensor) for name, tensor in weights if name not in (gate, up)]
+    sent.append((fused, torch.cat([by_name[gate], by_name[up]])))
+    model = FakeVllmModel(parameters)
+    worker = FakeWorker(model)
+    worker._colossal_rl_checkpoint_format = FusedGateUp(fused, (gate, up))
+    assert load_weights_on_worker(worker, sent) == []
+    assert worker._colossal_rl_checkpoint_format.calls == 1
+    assert sorted(model.received) == sorted(name for name, _ in weights)
+
+
 # --- Qwen2.5-VL ---------------------------------------------------------------------------------------------
 
 

@@ -158,6 +158,24 @@ def test_auto_takes_the_broadcast_where_the_region_does_not_fit_a_trainer_nodes_
     assert resolve_sync_mode_for_cluster(chosen, nodes, run=small).run.weight_sync_mode == "shm"  # asked for: kept
 
 
+@pytest.mark.parametrize(("precision", "bytes_per_parameter"), [("auto", 2), ("fp32", 4)])
+def test_a_dev_shm_exactly_the_regions_size_fits_and_one_byte_less_does_not(precision, bytes_per_parameter):
+    """The region is two copies of the weights in the training precision (``auto``: bf16, as trainers on GPUs
+    resolve it; fp32: four bytes a parameter). Room equal to it is enough; a byte less is not."""
+    from colossal_rl.config import ParallelConfig
+    from colossal_rl.driver.placement import resolve_sync_mode_for_cluster
+    from colossal_rl.model_size import checkpoint_parameter_count
+
+    gpu_node = {"NodeID": "n0", "Alive": True, "NodeManagerAddress": "10.0.0.1",
+                "Resources": {"CPU": 8.0, "GPU": 8.0, "node:__internal_head__": 1.0}}  # fmt: skip
+    config = dataclasses.replace(RLConfig(), parallel=ParallelConfig(precision=precision))
+    needed = 2 * bytes_per_parameter * checkpoint_parameter_count(config.model.path)
+    exactly = resolve_sync_mode_for_cluster(config, [gpu_node], run=FakeShm({"n0": needed}))
+    assert exactly.run.weight_sync_mode == "shm"
+    short = resolve_sync_mode_for_cluster(config, [gpu_node], run=FakeShm({"n0": needed - 1}))
+    assert short.run.weight_sync_mode == "broadcast"
+
+
 def test_an_unresolved_auto_is_never_planned():
     from colossal_rl.comm.weight_sync.modes import plan_routes
 

@@ -146,6 +146,17 @@ def test_shm_sender_refuses_a_region_its_file_system_has_no_room_for_in_one_line
     assert list(Path(region).parent.iterdir()) == []
 
 
+def test_shm_sender_takes_a_file_system_with_exactly_the_regions_room(region: str, monkeypatch):
+    """Free space equal to the region is enough to reserve it; a byte less is refused before any file is made."""
+    layout = WeightLayout.from_state_dict(state_dict(1.0))
+    monkeypatch.setattr(shared_memory, "free_bytes", lambda directory: region_bytes(layout))
+    SharedMemorySender(region, layout, timeout_s=5).close()
+    monkeypatch.setattr(shared_memory, "free_bytes", lambda directory: region_bytes(layout) - 1)
+    with pytest.raises(SharedMemorySpaceError):
+        SharedMemorySender(region, layout, timeout_s=5)
+    assert list(Path(region).parent.iterdir()) == []
+
+
 def test_shm_sender_turns_enospc_from_the_reservation_into_the_same_refusal(region: str, monkeypatch):
     """The free-space probe is a hint (another process may take the room first): ENOSPC from ``posix_fallocate``
     itself is refused the same way, and the file is removed."""
