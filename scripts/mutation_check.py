@@ -1161,6 +1161,210 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/unit/test_gpu_node_checks.py::test_a_trainer_node_where_the_preload_is_missing_or_ignored_is_named",
         ),
     ),
+    Mutation(
+        name="auto_backend_asks_producers_about_own_code_models",
+        why="--trainer-backend auto ignores --trust-remote-code: a model with its own code is sent to fsdp2 or refused",
+        path="colossal_rl/driver/trainer_backend.py",
+        old="    if model_type is None or own_code or model_type in trainers_types:\n",
+        new="    if model_type is None or model_type in trainers_types:\n",
+        tests=("tests/unit/test_trainer_backend.py::test_own_code_models_stay_on_colossalai",),
+    ),
+    Mutation(
+        name="auto_backend_skips_fsdp2_refusals",
+        why="a backend resolved from auto is not validated again: fsdp2 takes -pp, -zero, -tp and fp16 silently",
+        path="colossal_rl/driver/trainer_backend.py",
+        old="    parallel.validate()  # fsdp2's refusals (-pp, -zero, fp16) name the flag\n",
+        new="",
+        tests=(
+            "tests/unit/test_trainer_backend.py::"
+            "test_auto_choosing_fsdp2_still_refuses_what_fsdp2_cannot_do_naming_the_flag[parallel0-parallel.pp_size]",
+            "tests/unit/test_trainer_backend.py::"
+            "test_auto_choosing_fsdp2_still_refuses_what_fsdp2_cannot_do_naming_the_flag"
+            "[parallel1-parallel.zero_stage]",
+            "tests/unit/test_trainer_backend.py::"
+            "test_auto_choosing_fsdp2_still_refuses_what_fsdp2_cannot_do_naming_the_flag[parallel2-parallel.tp_size]",
+            "tests/unit/test_trainer_backend.py::"
+            "test_auto_choosing_fsdp2_still_refuses_what_fsdp2_cannot_do_naming_the_flag[parallel3-parallel.precision]",
+        ),
+    ),
+    Mutation(
+        name="fsdp2_accepts_zero_stage_1",
+        why="fsdp2's refusal of a ZeRO stage lets stage 1 through (off by one), a flag that means nothing there",
+        path="colossal_rl/config.py",
+        old="            self.zero_stage == 0,\n",
+        new="            self.zero_stage <= 1,\n",
+        tests=(
+            "tests/unit/test_trainer_backend.py::"
+            "test_auto_choosing_fsdp2_still_refuses_what_fsdp2_cannot_do_naming_the_flag"
+            "[parallel1-parallel.zero_stage]",
+        ),
+    ),
+    Mutation(
+        name="sliding_window_layer_types_ignored",
+        why="a model whose layers all use full attention is taken for a sliding-window one (trains padded needlessly)",
+        path="colossal_rl/training/micro_batch_forward.py",
+        old='    return layer_types is None or "sliding_attention" in layer_types\n',
+        new="    return True\n",
+        tests=(
+            "tests/unit/test_layout_choice.py::"
+            "test_a_sliding_window_model_trains_padded_and_an_asked_block_layout_is_refused",
+        ),
+    ),
+    Mutation(
+        name="sliding_window_off_without_its_flag",
+        why="a config without use_sliding_window (OLMo 3) is read as windowless: block masks attend past its window",
+        path="colossal_rl/training/micro_batch_forward.py",
+        old='getattr(text, "use_sliding_window", True) is False',
+        new='not getattr(text, "use_sliding_window", False)',
+        tests=(
+            "tests/unit/test_layout_choice.py::test_a_config_without_a_use_sliding_window_flag_attends_in_its_window",
+        ),
+    ),
+    Mutation(
+        name="sliding_window_refusal_swapped",
+        why="the sliding-window branch is swapped: an asked packed layout is kept and auto is refused",
+        path="colossal_rl/training/micro_batch_forward.py",
+        old='            if config.train.sequence_layout != "auto":\n',
+        new='            if config.train.sequence_layout == "auto":\n',
+        tests=(
+            "tests/unit/test_layout_choice.py::"
+            "test_a_sliding_window_model_trains_padded_and_an_asked_block_layout_is_refused",
+        ),
+    ),
+    Mutation(
+        name="unknown_moe_refused_without_its_flags",
+        why="a GLM-4 MoE is refused at --router-aux-loss-coef 0 (>= 0 for > 0): only Qwen3's MoE trains",
+        path="colossal_rl/moe/support.py",
+        old="(routing_replay or router_aux_loss_coef > 0)",
+        new="(routing_replay or router_aux_loss_coef >= 0)",
+        tests=(
+            "tests/unit/test_moe_support.py::"
+            "test_replay_on_a_dense_model_and_an_unknown_moe_are_refused_and_an_unknown_moe_trains_without_them",
+        ),
+    ),
+    Mutation(
+        name="auto_shm_room_equal_to_the_region_is_short",
+        why="--weight-sync-mode auto takes the broadcast where /dev/shm has exactly the region's room (<= for <)",
+        path="colossal_rl/driver/placement.py",
+        old="if room < needed",
+        new="if room <= needed",
+        tests=(
+            "tests/unit/test_weight_sync_mode_alias.py::"
+            "test_a_dev_shm_exactly_the_regions_size_fits_and_one_byte_less_does_not[auto-2]",
+            "tests/unit/test_weight_sync_mode_alias.py::"
+            "test_a_dev_shm_exactly_the_regions_size_fits_and_one_byte_less_does_not[fp32-4]",
+        ),
+    ),
+    Mutation(
+        name="auto_shm_region_sized_as_on_the_cpu",
+        why="the shm room check resolves auto precision as on the CPU (fp32): twice the region GPU trainers send",
+        path="colossal_rl/driver/placement.py",
+        old="resolve_precision(config.parallel.precision, on_gpu=True)",
+        new="resolve_precision(config.parallel.precision, on_gpu=False)",
+        tests=(
+            "tests/unit/test_weight_sync_mode_alias.py::"
+            "test_a_dev_shm_exactly_the_regions_size_fits_and_one_byte_less_does_not[auto-2]",
+        ),
+    ),
+    Mutation(
+        name="auto_shm_fp32_region_sized_in_bf16",
+        why="the shm room check counts two bytes a parameter under fp32: auto picks shm where the region cannot fit",
+        path="colossal_rl/driver/placement.py",
+        old='(4 if precision == "fp32" else 2)',
+        new="2",
+        tests=(
+            "tests/unit/test_weight_sync_mode_alias.py::"
+            "test_a_dev_shm_exactly_the_regions_size_fits_and_one_byte_less_does_not[fp32-4]",
+        ),
+    ),
+    Mutation(
+        name="shm_sender_refuses_exactly_enough_room",
+        why="the shm sender refuses a file system whose free space equals its region (<= for <)",
+        path="colossal_rl/comm/weight_sync/shared_memory.py",
+        old="    if available < size:\n",
+        new="    if available <= size:\n",
+        tests=(
+            "tests/unit/test_weight_sync_modes.py::test_shm_sender_takes_a_file_system_with_exactly_the_regions_room",
+        ),
+    ),
+    Mutation(
+        name="due_sync_formation_failure_skips_restarts",
+        why="a producer death while a due sync forms its group is retried without restarting it (or ending the run)",
+        path="colossal_rl/driver/schedule_loop.py",
+        old="                self.driver.restarted_producers(failure, [], whole_sync=True)"
+        "  # raises unless some were restarted\n",
+        new="",
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::"
+            "test_a_producer_death_while_a_due_sync_forms_its_group_again_is_recovered_and_the_schedule_unchanged",
+        ),
+    ),
+    Mutation(
+        name="fsdp2_trainer_nodes_driver_unchecked",
+        why="under fsdp2 only the producers' nodes are checked for r580+, not the trainers' (CUDA 13 torch there too)",
+        path="colossal_rl/driver/node_checks.py",
+        old="nodes_of(placement.producers + placement.trainers)",
+        new="nodes_of(placement.producers)",
+        tests=(
+            "tests/unit/test_gpu_node_checks.py::"
+            "test_fsdp2_asks_every_gpu_actors_node_for_the_driver_and_none_for_the_trainers_nccl",
+        ),
+    ),
+    Mutation(
+        name="fsdp2_trainers_checked_for_colossalai_nccl",
+        why="under fsdp2 the ColossalAI trainers' NCCL preload is still demanded of the trainers' nodes",
+        path="colossal_rl/driver/node_checks.py",
+        old="        check_driver_on_nodes(nodes_of(placement.producers + placement.trainers), timeout_s, run)\n"
+        "        return\n",
+        new="        check_driver_on_nodes(nodes_of(placement.producers + placement.trainers), timeout_s, run)\n",
+        tests=(
+            "tests/unit/test_gpu_node_checks.py::"
+            "test_fsdp2_asks_every_gpu_actors_node_for_the_driver_and_none_for_the_trainers_nccl",
+        ),
+    ),
+    Mutation(
+        name="engine_auto_swapped",
+        why="a trainer built with auto takes fsdp2 where ColossalAI is installed and colossalai where it is not",
+        path="colossal_rl/training/engines/__init__.py",
+        old='importlib.util.find_spec("colossalai") is not None else "fsdp2"',
+        new='importlib.util.find_spec("colossalai") is None else "fsdp2"',
+        tests=(
+            "tests/unit/test_trainer_backend.py::"
+            "test_a_trainer_built_outside_a_run_with_auto_takes_colossalai_where_installed_else_fsdp2",
+        ),
+    ),
+    Mutation(
+        name="vllm_worker_reverts_names_it_holds",
+        why="a vLLM worker builds the checkpoint-format revert at every sync (it fails in vLLM's Transformers backend)",
+        path="colossal_rl/rollout/vllm_weights.py",
+        old="    if unknown:  # names of transformers 5's in-memory layout",
+        new="    if True:  # names of transformers 5's in-memory layout",
+        tests=(
+            "tests/unit/test_vllm_weights.py::test_a_worker_reverts_to_checkpoint_names_only_names_it_does_not_hold",
+        ),
+    ),
+    Mutation(
+        name="vllm_worker_reverted_names_not_retargeted",
+        why="after reverting fused names a vLLM worker checks the names it was sent, not the reverted ones",
+        path="colossal_rl/rollout/vllm_weights.py",
+        old="        targets = {name: vllm_parameter_name(name, architecture) for name, _ in weights}\n"
+        "        unknown = unknown_of(targets)\n    if unknown:\n        raise",
+        new="        unknown = unknown_of(targets)\n    if unknown:\n        raise",
+        tests=(
+            "tests/unit/test_vllm_weights.py::test_a_worker_reverts_to_checkpoint_names_only_names_it_does_not_hold",
+        ),
+    ),
+    Mutation(
+        name="model_size_counts_safetensors_metadata",
+        why="the parameter count reads safetensors' __metadata__ as a tensor: size unknown, shm room never checked",
+        path="colossal_rl/model_size.py",
+        old=' if name != "__metadata__"',
+        new="",
+        tests=(
+            "tests/unit/test_weight_sync_mode_alias.py::"
+            "test_auto_takes_the_broadcast_where_the_region_does_not_fit_a_trainer_nodes_dev_shm",
+        ),
+    ),
 )
 
 # Records every test phase's outcome as a JSON line; loaded into pytest with ``-p``.
