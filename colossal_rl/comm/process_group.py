@@ -56,13 +56,15 @@ This module holds no model or weight logic (that is ``weight_sync/``) and import
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol
 
 import torch
@@ -83,6 +85,10 @@ ABORT_METHODS = ("abort", "_shutdown", "shutdown")
 """How a torch ``ProcessGroupNCCL`` is aborted, by preference: torch 2.13 ``abort``; torch 2.5 ``_shutdown`` (which
 aborts); ``shutdown`` last, since in torch 2.13 it may first wait for the stuck kernel."""
 Clock = Callable[[], float]
+MEMBERS_KEY = "colossal_rl/members"
+"""The counter in a group's store that every member adds itself to on joining (``gather_members``)."""
+MEMBERS_POLL_S = 0.1
+"""Pause between two looks at the member count while a group forms."""
 
 
 def backend_for_device(device: torch.device | str) -> Backend:
@@ -111,6 +117,60 @@ class CollectiveError(RuntimeError):
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """A standalone group could not form, or one of its collectives did not finish, in time."""
+
+
+class FormationAbandoned(CollectiveError):
+    """This member stopped waiting for the others to join: its caller gave the formation up (a member died)."""
+
+
+_formation_abandoned: contextvars.ContextVar[Callable[[], bool]] = contextvars.ContextVar(
+    "formation_abandoned", default=lambda: False
+)
+
+
+@contextlib.contextmanager
+def formations_abandoned_when(abandoned: Callable[[], bool]) -> Iterator[None]:
+    """Groups formed inside this block (this thread) stop waiting for missing members once ``abandoned()`` is
+    true, raising ``FormationAbandoned``. A Ray actor passes "my call was cancelled": the driver cancels a
+    formation a member died in, and the members already waiting (the trainer hosting the group) are free for the
+    next one at once, instead of after ``--timeout``."""
+    token = _formation_abandoned.set(abandoned)
+    try:
+        yield
+    finally:
+        _formation_abandoned.reset(token)
+
+
+def gather_members(
+    store: dist.Store,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    name: str,
+    clock: Clock = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Add this member to the group's count in ``store`` and wait until all ``world_size`` have joined: at most
+    ``timeout_s`` (``CollectiveTimeoutError``), and only while the formation is not abandoned
+    (``formations_abandoned_when``; ``FormationAbandoned``). With every member present, the process group's own
+    rendezvous after this does not wait on an absent one."""
+    abandoned = _formation_abandoned.get()
+    deadline = clock() + timeout_s
+    joined = store.add(MEMBERS_KEY, 1)
+    while joined < world_size:
+        if abandoned():
+            raise FormationAbandoned(
+                f"group {name!r}: rank {rank} stopped waiting with {joined} of {world_size} members joined: the "
+                "formation was abandoned (a member died)"
+            )
+        if clock() >= deadline:
+            raise CollectiveTimeoutError(
+                f"group {name!r}: rank {rank} could not gather all {world_size} members within {timeout_s:.1f}s "
+                f"({joined} joined)"
+            )
+        sleep(MEMBERS_POLL_S)
+        joined = store.add(MEMBERS_KEY, 0)
 
 
 def abort_method_name(process_group: Any) -> str | None:
@@ -329,7 +389,8 @@ def create_standalone_group(
 
     Rank 0 hosts a ``TCPStore`` on ``port`` (its ``host`` is the address the others connect to);
     pass ``store`` instead to share one store among several groups, which then need distinct
-    ``name``s. Blocks until all members have joined, at most ``timeout_s`` seconds. For nccl the
+    ``name``s. Blocks until all members have joined (``gather_members``), at most ``timeout_s`` seconds and
+    only while the formation is not abandoned (``formations_abandoned_when``). For nccl the
     caller must have set the CUDA device first (or pass ``device``); the members' NCCL releases are
     compared and the communicator is formed here, each within ``timeout_s`` (module docstring).
     """
@@ -337,9 +398,10 @@ def create_standalone_group(
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        if store is None:
-            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        if store is None:  # rank 0 does not wait for the others here: gather_members does, and can be abandoned
+            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
         group_store = group_store_for(store, name)
+        gather_members(group_store, rank=rank, world_size=world_size, timeout_s=timeout_s, name=name)
         if backend == "nccl":
             _check_nccl_releases(
                 group_store, rank=rank, world_size=world_size, group=name, timeout_s=timeout_s,

@@ -46,6 +46,11 @@ def _configure_worker(num_threads: int) -> None:
     torch.set_num_threads(max(1, num_threads))
 
 
+def this_call_cancelled() -> bool:
+    """Whether the driver cancelled the Ray call this thread is running (``calls.cancel_calls``)."""
+    return ray.get_runtime_context().is_canceled()
+
+
 def node_address() -> str:
     return ray.util.get_node_ip_address()
 
@@ -213,7 +218,7 @@ class ProducerActor:
 
     def join_weight_sync(self, routes_by_producer: list) -> None:
         """Open this producer's receiver of every pipeline stage (``comm/weight_sync/modes.py``), in stage order."""
-        from colossal_rl.comm.process_group import default_device
+        from colossal_rl.comm.process_group import default_device, formations_abandoned_when
         from colossal_rl.comm.weight_sync.modes import open_receivers
 
         for receiver in self.receivers:  # a group formed again (after a producer restarted) replaces the old one
@@ -227,9 +232,10 @@ class ProducerActor:
                 )
             return
         # On GPUs broadcast weights arrive over NCCL into this actor's GPU; on CPU over gloo.
-        self.receivers = open_receivers(
-            routes, timeout_s=run.timeout_s, transport=run.weight_sync_backend, device=default_device()
-        )
+        with formations_abandoned_when(this_call_cancelled):
+            self.receivers = open_receivers(
+                routes, timeout_s=run.timeout_s, transport=run.weight_sync_backend, device=default_device()
+            )
 
     def receive_weights(self, policy_version: int) -> None:
         from colossal_rl.comm.weight_sync.bucketed import receive_version
@@ -340,7 +346,7 @@ class TrainerActor:
 
         Formed again after a producer restarted (the old one is closed first). Returns :meth:`_retain`'s
         copy of the weights held now when ``retain``."""
-        from colossal_rl.comm.process_group import default_device
+        from colossal_rl.comm.process_group import default_device, formations_abandoned_when
         from colossal_rl.comm.weight_sync.modes import open_sender
         from colossal_rl.comm.weight_sync.stages import stage_group_name
 
@@ -353,14 +359,15 @@ class TrainerActor:
             self.sender.close()
             self.sender = None
         if state is not None:
-            self.sender = open_sender(
-                routes[stage],
-                state,
-                timeout_s=self.config.run.timeout_s,
-                transport=self.config.run.weight_sync_backend,
-                group_name=stage_group_name(stage),
-                device=default_device(),
-            )
+            with formations_abandoned_when(this_call_cancelled):  # the driver cancels it when a producer died
+                self.sender = open_sender(
+                    routes[stage],
+                    state,
+                    timeout_s=self.config.run.timeout_s,
+                    transport=self.config.run.weight_sync_backend,
+                    group_name=stage_group_name(stage),
+                    device=default_device(),
+                )
         return self._retain(state) if retain else []
 
     def _retain(self, state: dict[str, torch.Tensor] | None) -> list:

@@ -8,6 +8,7 @@ use it. Torch-free.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -15,6 +16,8 @@ from typing import NamedTuple
 import ray
 
 from colossal_rl.profiling import ActivityBoard
+
+logger = logging.getLogger(__name__)
 
 
 class ActorId(NamedTuple):
@@ -146,6 +149,25 @@ def gather(calls: Calls, timeout_s: float, settle_s: float = 3.0) -> list:
             message = "; ".join(_message(call.name, o, d) for call, o, d in failures)
             raise RunFailed(message, {call.actor: o for call, o, _ in failures})
     return ray.get([call.ref for call in calls])
+
+
+def cancel_calls(calls: Calls, settle_s: float = 10.0) -> None:
+    """Cancel calls a failure made pointless (a sync group formation a member died in). Ray drops the queued ones
+    and flags the running ones, which their actors see (``formations_abandoned_when`` in ``actors.py``): a trainer
+    waiting for the dead member to join is free for the next formation at once, not after ``--timeout``. Waits up
+    to ``settle_s`` for them to end and takes their errors (a cancelled call's error is expected, not unhandled)."""
+    refs = [call.ref for call in calls]
+    for ref in refs:
+        try:
+            ray.cancel(ref)
+        except Exception as error:  # noqa: BLE001  (an actor already gone: nothing left to cancel)
+            logger.debug("cancelling %s: %s", ref, error)
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=settle_s)
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001,S110  (cancelled, or failed with the death that made it pointless)
+            pass
 
 
 def gather_groups(groups: Sequence[Calls], timeout_s: float) -> list[list]:

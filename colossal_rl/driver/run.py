@@ -18,7 +18,7 @@ import ray
 from colossal_rl.config import RLConfig
 from colossal_rl.config_files import CONFIG_FILE
 from colossal_rl.driver.actor_groups import TrainerGroup, spawn_actors
-from colossal_rl.driver.calls import Calls, RunFailed, gather, gather_groups
+from colossal_rl.driver.calls import Calls, RunFailed, cancel_calls, gather, gather_groups
 from colossal_rl.driver.node_checks import check_gpu_nodes
 from colossal_rl.driver.placement import check_transport_for_cluster, resolve_sync_mode_for_cluster
 from colossal_rl.driver.producer_restarts import ProducerRestarts, redo_lost
@@ -94,6 +94,7 @@ class Driver:
             run_dir=run_dir,
             producer_nodes=lambda: self.restarts.nodes,
             wait=lambda groups: gather_groups(groups, self.timeout),
+            cancel=cancel_calls,
         )
         """The weight sync as formed, and the one way to bring producers to a version."""
         self.last_saved_step = 0

@@ -18,12 +18,14 @@ from pathlib import Path
 
 from colossal_rl.comm.weight_sync.modes import plan_routes
 from colossal_rl.comm.weight_sync.stages import stage_senders
-from colossal_rl.driver.calls import Calls
+from colossal_rl.driver.calls import Calls, RunFailed
 
 logger = logging.getLogger(__name__)
 
 WaitGroups = Callable[[Sequence[Calls]], list[list]]
 """Wait (bounded) for several groups' calls; their results, one list per group."""
+CancelCalls = Callable[[Calls], None]
+"""Cancel calls made pointless (``calls.cancel_calls``)."""
 
 
 class SyncOrchestrator:
@@ -40,14 +42,17 @@ class SyncOrchestrator:
         run_dir: Path,
         producer_nodes: Callable[[], Sequence[str]],
         wait: WaitGroups,
+        cancel: CancelCalls,
     ):
-        """``producer_nodes()``: each producer's Ray node id now (a restarted one may be elsewhere)."""
+        """``producer_nodes()``: each producer's Ray node id now (a restarted one may be elsewhere); ``cancel``: how
+        the calls of a formation a member died in are cancelled."""
         self.trainers, self.producers = trainers, producers
         self.mode = mode
         self.receivers_per_producer = receivers_per_producer
         self.run_dir = run_dir
         self.producer_nodes = producer_nodes
         self.wait = wait
+        self.cancel = cancel
         self.senders: list[int] = []
         """Trainer ranks that send the weights, one per pipeline stage."""
         self.trainer_nodes: list[str] = []
@@ -93,6 +98,7 @@ class SyncOrchestrator:
     def _form(self, *, retain: bool) -> None:
         """(Re)form every pipeline stage's route: its sender trainer hosts a group, a shared-memory region or sync
         files, every producer joins. ``retain``: keep the senders' copy of the weights they hold."""
+        self.stale = True  # until this formation completes
         (addresses,) = self.wait([self.trainers.weight_sync_address(self.senders)])
         self.formations += 1
         send_routes, receive_routes = plan_routes(
@@ -104,9 +110,15 @@ class SyncOrchestrator:
             formation=self.formations,
             receivers_per_producer=[self.receivers_per_producer] * len(self.producers),
         )
-        senders, _ = self.wait(
-            [self.trainers.setup_weight_sync(send_routes, retain), self.producers.join_weight_sync(receive_routes)]
-        )
+        formation = [
+            self.trainers.setup_weight_sync(send_routes, retain),
+            self.producers.join_weight_sync(receive_routes),
+        ]
+        try:
+            senders, _ = self.wait(formation)
+        except RunFailed:  # a member died: the others stop waiting for it (the caller's recovery forms it anew)
+            self.cancel([call for calls in formation for call in calls])
+            raise
         if retain:
             self.retained_weights = [ref for refs in senders for ref in refs]
         self.stale = False

@@ -92,6 +92,7 @@ def fake_sync(num_trainers: int = 2, num_producers: int = 2, mode: str = "broadc
         run_dir="/tmp/run",
         producer_nodes=lambda: ["node"] * num_producers,
         wait=lambda groups: [results(calls) for calls in groups],
+        cancel=lambda calls: log.append(("driver", "cancel", tuple(call.name for call in calls))),
     )
     ready = [SimpleNamespace(node_id="node", sync_stage=0 if rank == 0 else None) for rank in range(num_trainers)]
     return sync, log, ready

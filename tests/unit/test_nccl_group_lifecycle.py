@@ -31,6 +31,7 @@ from colossal_rl.comm.process_group import (
     abort_nccl,
     create_standalone_group,
     find_free_port,
+    gather_members,
     group_store_for,
 )
 
@@ -271,9 +272,9 @@ def member_checking(port: int, rank: int, release: str | None, stores: list | No
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=10))
         if stores is not None:
             stores.append(store)
-        _check_nccl_releases(
-            group_store_for(store, "sync"), rank=rank, world_size=2, group="sync", timeout_s=10.0, release=release
-        )
+        group_store = group_store_for(store, "sync")
+        gather_members(group_store, rank=rank, world_size=2, timeout_s=10.0, name="sync")  # as every member does
+        _check_nccl_releases(group_store, rank=rank, world_size=2, group="sync", timeout_s=10.0, release=release)
         return "same release"
 
     return member

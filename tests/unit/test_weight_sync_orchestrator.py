@@ -102,3 +102,36 @@ def test_each_formation_gets_fresh_file_prefixes():
     sync.sync_to(1, reason="step 1")
     prefixes = [args[0][0].file_prefix for _, method, args in log if method == "setup_weight_sync" and args[0]]
     assert prefixes[0] == "f1-stage0" and prefixes[-1] == "f2-stage0"
+
+
+def test_a_formation_a_producer_died_in_cancels_all_its_calls_and_stays_to_be_formed():
+    """The trainer hosting the group would otherwise wait for the dead producer until ``--timeout``, and every
+    later call on it (the next formation) behind that."""
+    import pytest
+
+    from colossal_rl.driver.calls import RunFailed
+
+    sync, log, ready = orchestrator()
+    wait = sync.wait
+
+    def producer_1_died(groups):
+        if any(call.method == "join_weight_sync" for calls in groups for call in calls):
+            raise RunFailed("producer 1 (join_weight_sync) died", {groups[-1][1].actor: "died"})
+        return wait(groups)
+
+    sync.wait = producer_1_died
+    with pytest.raises(RunFailed, match="producer 1"):
+        sync.start(ready, retain=True)
+    cancelled = [args for actor, method, args in log if method == "cancel"]
+    assert cancelled == [
+        (
+            "trainer 0 (setup_weight_sync)",
+            "trainer 1 (setup_weight_sync)",
+            "producer 0 (join_weight_sync)",
+            "producer 1 (join_weight_sync)",
+        )
+    ]
+    sync.wait = wait
+    log.clear()
+    sync.sync_to(1, reason="test")  # the group was never formed: the next sync forms it first
+    assert methods(log) == FORMATION + SYNC and sync.formations == 2
