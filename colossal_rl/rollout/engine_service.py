@@ -73,8 +73,8 @@ class EngineService:
             try:
                 if not self.partial_rollouts:
                     self._wait_for(lambda: self.batcher.idle, deadline, "the running rows to finish before a load")
-                self.batcher.before_new_weights()
-                try:
+                try:  # stopping the rows is part of the load: a failure there leaves them stopped too
+                    self.batcher.before_new_weights()
                     load()
                     self.batcher.take_new_weights(version)
                 except BaseException as error:  # rows stopped for a load that failed cannot go on: say so to callers
