@@ -44,7 +44,12 @@ def finished_calls(monkeypatch, pending: set) -> None:
     monkeypatch.setattr(
         producer_restarts.ray, "wait", lambda refs, timeout=None: ([r for r in refs if r not in pending], [])
     )
-    monkeypatch.setattr(producer_restarts, "call_outcome", lambda ref: (ref.outcome, None))
+
+    def call_outcome(ref):
+        assert ref not in pending, "the outcome of a call still running was asked for: ray.get would block"
+        return ref.outcome, None
+
+    monkeypatch.setattr(producer_restarts, "call_outcome", call_outcome)
 
 
 def evaluate_calls(outcomes: list[str], asked: list) -> list[Call]:
