@@ -230,20 +230,27 @@ class ScheduleLoop:
         restarted = self.driver.restarted_producers(failure, item.calls, whole_sync=item.kind == "sync")
         if not restarted and not any(_lost(call) for call in item.calls):
             raise failure  # a sync's call failed with its producers alive and not restarted: an error, not a death
-        for waiting in list(self.waiting):
-            lost = [call for call in waiting.calls if _lost(call)]
-            if waiting.kind == "sync" and (lost or restarted):
+        for waiting in list(self.waiting):  # in the order submitted: a lost chunk goes out again before a later sync
+            if waiting.kind == "sync" and (restarted or any(_lost(call) for call in waiting.calls)):
                 self._remake_sync(waiting)
-            elif lost and waiting.kind == "chunk":
-                again = self.scheduler.chunk_lost(waiting.subject.chunk_id)
-                self._forget(waiting)
-                if again is not None:
-                    self._submit("chunk", redo_lost(waiting.calls), again)
-                what = "it is made again" if again is not None else "its rows are handed out again"
-                logger.warning("chunk %d lost with its producer: %s", waiting.subject.chunk_id, what)
-            elif lost:
-                self._forget(waiting)
-                self._submit(waiting.kind, redo_lost(waiting.calls), waiting.subject)
+            else:
+                self._redo_lost(waiting)
+
+    def _redo_lost(self, waiting: Waiting) -> None:
+        """``waiting`` (not a sync) made again where its producer died: a chunk is made again as ordered or its rows
+        handed out again (the scheduler's ``chunk_lost`` says which), any other kind's lost calls made again."""
+        lost = [call for call in waiting.calls if _lost(call)]
+        if not lost:
+            return
+        self._forget(waiting)
+        if waiting.kind == "chunk":
+            again = self.scheduler.chunk_lost(waiting.subject.chunk_id)
+            if again is not None:
+                self._submit("chunk", redo_lost(waiting.calls), again)
+            what = "it is made again" if again is not None else "its rows are handed out again"
+            logger.warning("chunk %d lost with its producer: %s", waiting.subject.chunk_id, what)
+        else:
+            self._submit(waiting.kind, redo_lost(waiting.calls), waiting.subject)
 
     def _remake_sync(self, sync: Waiting) -> None:
         """Wait (bounded) until every call of a broken sync ended, form the sync group again, and sync anew."""
@@ -261,8 +268,10 @@ class ScheduleLoop:
         while True:
             try:  # a failed formation leaves the group stale: the next attempt forms it again
                 return self.driver.sync.sync_to(version, reason=reason)
-            except RunFailed as failure:  # its lost chunks fail in their own waits, and are handed out again
-                self.driver.restarted_producers(failure, [], whole_sync=True)  # raises unless some were restarted
+            except RunFailed as failure:
+                if self.driver.restarted_producers(failure, [], whole_sync=True):  # raises unless some restarted
+                    for waiting in [item for item in self.waiting if item.kind != "sync"]:
+                        self._redo_lost(waiting)  # before this sync: a lost chunk is made at its own version
                 attempts_left -= 1
                 if attempts_left == 0:
                     raise

@@ -273,3 +273,28 @@ def test_a_due_syncs_formation_failing_again_and_again_with_nobody_restarted_end
     fail_first_joins(driver, failures=10)
     with pytest.raises(RunFailed, match="producer 1 died"):
         play(loop, driver)
+
+
+def test_a_chunk_lost_with_a_producer_that_died_as_a_due_sync_formed_is_made_again_before_that_sync(monkeypatch):
+    """Rounds ahead are sampled with the version they were ordered at: a chunk lost with a producer that died as
+    the next sync's group formed goes out again (after the restore of the last synced weights) before that sync,
+    not after it, where it would be sampled with the new weights (the kill-twice lifecycle test saw staleness 0)."""
+    loop, driver = loop_on(config(1))
+    loop._decide()
+    lost = next(item for item in loop.waiting if item.kind == "chunk" and item.subject.producer_rank == 1)
+    driver.restarted_producers = lambda failure, calls, whole_sync: [1]
+    monkeypatch.setattr(schedule_loop, "_lost", lambda call: call in lost.calls)
+
+    def redo(calls):
+        driver.log.append(("producer 1", "produce_chunk made again", ()))
+        return [call._replace(ref="again") for call in calls]
+
+    monkeypatch.setattr(schedule_loop, "redo_lost", redo)
+    driver.sync.broken()
+    fail_first_joins(driver, failures=1)
+    driver.log.clear()
+    loop._submit("sync", loop._sync_calls(1, reason="test"), 1)
+    made = [method for actor, method, _ in driver.log if method in ("produce_chunk made again", "push_weights")]
+    assert made == ["produce_chunk made again", "push_weights"]
+    again = [item for item in loop.waiting if item.kind == "chunk" and item.subject.producer_rank == 1]
+    assert len(again) == 2 and again[-1].subject == lost.subject  # the next round's chunk, then the one made again
