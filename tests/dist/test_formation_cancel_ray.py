@@ -3,7 +3,6 @@
 as the actors' ``setup_weight_sync``/``join_weight_sync`` rely on (Ray flags a running call of a regular or threaded
 actor; it cannot interrupt it)."""
 
-import os
 import time
 
 import pytest
@@ -12,13 +11,8 @@ ray = pytest.importorskip("ray")
 
 from colossal_rl.driver.calls import ActorId, Call, cancel_calls  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+FORMATION_TIMEOUT_S = 600.0
+"""The formation's own bound (``--timeout``'s default): what the host would wait without the cancel."""
 
 
 @ray.remote
@@ -42,12 +36,14 @@ def test_a_cancelled_formation_frees_the_hosting_actor_for_its_next_call(local_r
 
     host = _GroupHost.remote()
     assert ray.get(host.ping.remote(), timeout=60) == "pong"
-    waiting = host.host.remote(find_free_port(), 120.0)  # member 1 never comes: it "died"
+    waiting = host.host.remote(find_free_port(), FORMATION_TIMEOUT_S)  # member 1 never comes: it "died"
     time.sleep(2.0)
     assert ray.wait([waiting], timeout=0)[0] == []  # still waiting for it
     cancelled_at = time.monotonic()
-    cancel_calls([Call(ActorId("trainer", 0), "host", waiting)], settle_s=20)
-    assert ray.get(host.ping.remote(), timeout=20) == "pong"
-    assert time.monotonic() - cancelled_at < 15
+    cancel_calls([Call(ActorId("trainer", 0), "host", waiting)], settle_s=60)
+    assert (
+        ray.get(host.ping.remote(), timeout=FORMATION_TIMEOUT_S / 3) == "pong"
+    )  # freed by the cancel, not the timeout
+    assert time.monotonic() - cancelled_at < FORMATION_TIMEOUT_S / 3
     with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
         ray.get(waiting, timeout=0)

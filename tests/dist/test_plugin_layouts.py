@@ -255,7 +255,6 @@ def _reference_and_producer(port: int, sync_ports: list[list[int]], out_dir: Pat
     from colossal_rl.comm.weight_sync.bucketed import join_as_receiver, receive_stages
     from colossal_rl.comm.weight_sync.stages import stage_group_name
     from colossal_rl.training.booster_plugins import launch_colossalai
-    from colossal_rl.training.engines.colossalai_engine import ColossalAIEngine
     from colossal_rl.training.trainer import Trainer
 
     launch_colossalai(0, 1, HOST, port, on_cpu=True)

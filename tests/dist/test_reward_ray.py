@@ -1,18 +1,8 @@
 """Scorers inside a threaded Ray actor (how producers call them): timeouts and the sandbox work off the main thread."""
 
-import os
-
 import pytest
 
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @ray.remote(max_concurrency=2)

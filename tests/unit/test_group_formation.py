@@ -47,16 +47,16 @@ def test_the_host_of_a_group_a_member_never_joins_stops_waiting_once_the_formati
 
     def host():
         with formations_abandoned_when(abandon.is_set):
-            return create_standalone_group("gloo", 0, 2, "127.0.0.1", port, timeout_s=60.0)
+            return create_standalone_group("gloo", 0, 2, "127.0.0.1", port, timeout_s=600.0)
 
     outcome = form_in_thread(host)
     time.sleep(1.0)
     assert outcome["ended"] is None  # still waiting for member 1
     abandoned_at = time.monotonic()
     abandon.set()
-    wait_until_ended(outcome, timeout_s=10)
+    wait_until_ended(outcome, timeout_s=60)  # a tenth of its own timeout, however loaded the machine
     assert outcome["ended"] is not None, "the host waited on after its formation was abandoned"
-    assert outcome["ended"] - abandoned_at < 5
+    assert outcome["ended"] - abandoned_at < 60
     assert isinstance(outcome.get("error"), FormationAbandoned), outcome
     assert "1 of 2 members joined" in str(outcome["error"])
 
