@@ -1291,12 +1291,44 @@ MUTATIONS: tuple[Mutation, ...] = (
         name="due_sync_formation_failure_skips_restarts",
         why="a producer death while a due sync forms its group is retried without restarting it (or ending the run)",
         path="colossal_rl/driver/schedule_loop.py",
-        old="                self.driver.restarted_producers(failure, [], whole_sync=True)"
-        "  # raises unless some were restarted\n",
-        new="",
+        old="                if self.driver.restarted_producers(failure, [], whole_sync=True):  # raises unless some restarted\n",
+        new="                if True:\n",
         tests=(
             "tests/unit/test_round_loop_decisions.py::"
             "test_a_producer_death_while_a_due_sync_forms_its_group_again_is_recovered_and_the_schedule_unchanged",
+        ),
+    ),
+    Mutation(
+        name="chunk_lost_in_a_formation_made_again_after_the_sync",
+        why="a chunk lost with a producer that died as a due sync formed goes out after that sync (new weights)",
+        path="colossal_rl/driver/schedule_loop.py",
+        old="                        self._redo_lost(waiting)  # before this sync: a lost chunk is made at its own version\n",
+        new="                        pass\n",
+        tests=(
+            "tests/unit/test_round_loop_decisions.py::"
+            "test_a_chunk_lost_with_a_producer_that_died_as_a_due_sync_formed_is_made_again_before_that_sync",
+        ),
+    ),
+    Mutation(
+        name="formation_not_abandoned",
+        why="the trainer hosting a sync group waits out --timeout for a member that died, its call cancelled",
+        path="colossal_rl/comm/process_group.py",
+        old="        if abandoned():\n",
+        new="        if False:\n",
+        tests=(
+            "tests/unit/test_group_formation.py::"
+            "test_the_host_of_a_group_a_member_never_joins_stops_waiting_once_the_formation_is_abandoned",
+        ),
+    ),
+    Mutation(
+        name="failed_formation_not_cancelled",
+        why="a formation a producer died in is left running: its host waits for the dead member until --timeout",
+        path="colossal_rl/driver/weight_sync.py",
+        old="            self.cancel([call for calls in formation for call in calls])\n",
+        new="",
+        tests=(
+            "tests/unit/test_weight_sync_orchestrator.py::"
+            "test_a_formation_a_producer_died_in_cancels_all_its_calls_and_stays_to_be_formed",
         ),
     ),
     Mutation(
