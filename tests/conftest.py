@@ -13,6 +13,18 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _no_ray_auto_init() -> None:
+    """A Ray call before ``ray.init`` raises in the test that made it, instead of starting a Ray instance in the
+    pytest worker unasked (Ray's auto-init): that instance outlives the test, and a later module's ``ray.init``
+    then fails far from the cause. This process only: a run a test starts calls ``ray.init`` itself."""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
+
+
+_no_ray_auto_init()
+
+
 LONGEST_FIRST = ("tests/e2e/", "tests/vllm_engine/", "tests/engines/", "tests/dist/")
 """Directories whose files run longest, in the order their files are handed to the xdist workers: the long files
 first and the many short unit files last, so the two workers end together instead of one waiting on the last long

@@ -4,6 +4,7 @@ there are logical resources, no CUDA needed). The pure planning is tested in ``t
 from __future__ import annotations
 
 import pytest
+from ray_leftovers import shut_down_a_leftover_ray
 
 from colossal_rl.driver.placement import LOCAL_ADDRESS, actor_options
 
@@ -20,6 +21,7 @@ def two_node_cluster():
         head_node_args={"num_cpus": 2, "num_gpus": 2, "resources": {"head_node": 1}, "include_dashboard": False},
     )
     cluster.add_node(num_cpus=2, num_gpus=2, resources={"worker_node": 1})
+    shut_down_a_leftover_ray()
     ray.init(address=cluster.address)
     cluster.wait_for_nodes()
     yield ray
